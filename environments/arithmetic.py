@@ -1,0 +1,54 @@
+"""Single-turn arithmetic with an exact integer verifier.
+
+A problem ``a op b =`` is drawn from the stream seeded by ``reset(seed)``: op uniform over + - *;
+operands uniform in 0..max_operand for + and -, 0..max_factor for *; for - the larger operand comes
+first, so every answer is a non-negative integer. Reward 1 for the exact value, 0 for another integer;
+an answer that is not an integer in the RAGEN format ends the episode with ``invalid_penalty`` (-1).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from .base import Environment, register_env
+
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+_INTEGER = re.compile(r"-?\d+")
+
+
+@register_env
+class ArithmeticEnv(Environment):
+    name = "arithmetic"
+    max_turns_default = 1
+    action_words = tuple("0123456789-")  # the characters an answer may contain
+    single_step = True
+    instructions = "Compute the result. Answer with the integer, as <think>...</think><answer>number</answer>."
+
+    def __init__(self, max_operand: int = 20, max_factor: int = 10, invalid_penalty: float | None = None):
+        super().__init__(invalid_penalty)
+        if max_operand < 1 or max_factor < 1:
+            raise ValueError(f"arithmetic: need max_operand, max_factor >= 1, got {max_operand}, {max_factor}")
+        self.max_operand, self.max_factor = max_operand, max_factor
+
+    def _reset(self, rng: random.Random) -> None:
+        op = rng.choice(sorted(OPS))
+        high = self.max_factor if op == "*" else self.max_operand
+        a, b = rng.randint(0, high), rng.randint(0, high)
+        if op == "-" and b > a:
+            a, b = b, a
+        self.a, self.op, self.b = a, op, b
+        self.answer = OPS[op](a, b)
+        self.given: int | None = None
+
+    def parse_action(self, answer: str) -> str | None:
+        text = answer.strip()
+        return str(int(text)) if _INTEGER.fullmatch(text) else None
+
+    def _apply(self, action: str) -> tuple[float, bool, dict]:
+        self.given = int(action)
+        correct = self.given == self.answer
+        return (1.0 if correct else 0.0), True, {"success": correct, "expected": self.answer}
+
+    def format_observation(self) -> str:
+        return f"{self.a} {self.op} {self.b} ="

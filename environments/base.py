@@ -1,0 +1,301 @@
+"""Text environments: interface, registry, RAGEN answer format and the multi-turn loop.
+
+Semantics follow RAGEN (early 2025, ``ragen/env/base.py`` and ``llm_agent/generation.py``): the agent
+answers ``<think>...</think><answer>...</answer>``; the answer is parsed into an action; an answer that
+cannot be parsed is an *invalid* action and earns the environment's ``invalid_penalty`` without changing
+its state. In a multi-turn episode each step's reward, done flag and new observation are appended as the
+next environment turn; the trajectory reward is the sum of step rewards.
+
+Everything here is text level and model free: a trainer supplies a policy (a function from history text
+or in-progress trajectories to answer text) and tokenizes ``Trajectory.segments()`` to mask environment
+tokens out of the loss.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from trl_ext.registry import ConfigError, Registry
+
+ENVIRONMENTS: Registry = Registry("environment")
+
+# Modules whose import registers the builtin environments (see ``make_env``).
+BUILTIN_MODULES = ("bandit", "sokoban", "frozenlake", "arithmetic", "prisoners")
+
+# Joins history segments; also ends every segment, so a history always ends with it and a model
+# generating from it starts directly with its answer.
+SEPARATOR = "\n"
+
+# ---------------------------------------------------------------------------------------------------
+# Answer format
+
+_TAG = re.compile(r"<\s*(/?)\s*(think|answer)\s*>", re.IGNORECASE)
+_THINK_ANSWER = [("", "think"), ("/", "think"), ("", "answer"), ("/", "answer")]
+_ANSWER_ONLY = [("", "answer"), ("/", "answer")]
+
+
+def extract_answer(text: str) -> str | None:
+    """The stripped content of the ``<answer>`` tag, or None when ``text`` is not in the RAGEN format.
+
+    Accepted: ``<think>T</think><answer>A</answer>`` or ``<answer>A</answer>``, with only whitespace
+    outside the tags. Tags are case-insensitive and may contain whitespace (``< / answer >``, as a
+    WordPiece decode prints them). None on: a missing, extra, repeated, nested or out-of-order tag, any
+    text outside the tags, or an empty answer.
+    """
+    matches = list(_TAG.finditer(text))
+    shape = [(m.group(1), m.group(2).lower()) for m in matches]
+    if shape not in (_THINK_ANSWER, _ANSWER_ONLY):
+        return None
+    outside = [text[: matches[0].start()], text[matches[-1].end() :]]
+    if shape == _THINK_ANSWER:
+        outside.append(text[matches[1].end() : matches[2].start()])
+    if any(part.strip() for part in outside):
+        return None
+    answer = text[matches[-2].end() : matches[-1].start()].strip()
+    return answer or None
+
+
+def answer_text(action: str) -> str:
+    """The no-think completion for an action: ``<answer>action</answer>``."""
+    return f"<answer>{action}</answer>"
+
+
+def no_think_rewrite(text: str) -> str:
+    """RAGEN's ``no_think_rl``: the trained response is just ``<answer>X</answer>``.
+
+    X is the parsed answer content; a malformed response becomes ``<answer></answer>`` (RAGEN wrote its
+    invalid action's name there), so re-parsing the rewrite is invalid exactly when ``text`` was.
+    """
+    answer = extract_answer(text)
+    return answer_text(answer if answer is not None else "")
+
+
+def truncate_after_answer(text: str) -> str:
+    """Cut ``text`` after its first closing answer tag (RAGEN's response post-processing)."""
+    for m in _TAG.finditer(text):
+        if m.group(1) == "/" and m.group(2).lower() == "answer":
+            return text[: m.end()]
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------
+# Interface
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One environment step. ``info`` always holds ``valid`` (bool) and ``action`` (str or None)."""
+
+    observation: str
+    reward: float
+    done: bool
+    info: dict
+
+
+class Environment(ABC):
+    """A seeded text environment: ``reset(seed)`` -> observation; ``step(answer text)`` -> StepResult.
+
+    Subclasses set the class attributes, build their state in ``_reset`` from a ``random.Random`` seeded
+    by ``reset(seed)`` (so an episode is reproducible), apply a parsed action in ``_apply`` and render the
+    state in ``format_observation`` as plain text: space-separated ASCII symbols, digits and words.
+    """
+
+    name: ClassVar[str]
+    max_turns_default: ClassVar[int]
+    invalid_penalty: ClassVar[float] = -1.0
+    action_words: ClassVar[tuple[str, ...]]
+    has_solver: ClassVar[bool] = False
+    single_step: ClassVar[bool] = False  # the first step always ends the episode (also when invalid)
+    instructions: ClassVar[str]  # task + format description for instruct-model prompts
+
+    def __init__(self, invalid_penalty: float | None = None):
+        if invalid_penalty is not None:
+            self.invalid_penalty = float(invalid_penalty)
+        self._started = False
+        self._done = False
+
+    def reset(self, seed: int) -> str:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"{self.name}: seed must be a non-negative int, got {seed!r}")
+        self._begin(seed)
+        self._reset(self.rng)
+        return self.format_observation()
+
+    def _begin(self, seed: int) -> None:
+        """Start an episode: seed the episode's random stream and clear the done flag."""
+        self.seed, self.rng = seed, random.Random(seed)
+        self._started, self._done = True, False
+
+    def step(self, action_text: str) -> StepResult:
+        if not self._started:
+            raise RuntimeError(f"{self.name}: step() before reset()")
+        if self._done:
+            raise RuntimeError(f"{self.name}: step() after the episode ended")
+        action = self.parse_answer(action_text)
+        if action is None:
+            reward, done, info = self.invalid_penalty, self.single_step, {}
+        else:
+            reward, done, info = self._apply(action)
+        self._done = done
+        info = {"valid": action is not None, "action": action, **info}
+        return StepResult(self.format_observation(), float(reward), done, info)
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def parse_answer(self, text: str) -> str | None:
+        """The canonical action of a RAGEN-format answer, or None when it is invalid."""
+        answer = extract_answer(text)
+        return None if answer is None else self.parse_action(answer)
+
+    def parse_action(self, answer: str) -> str | None:
+        """An answer's content -> canonical action word (lower case), or None. Case-insensitive."""
+        word = answer.strip().lower()
+        return word if word in self.action_words else None
+
+    @abstractmethod
+    def _reset(self, rng: random.Random) -> None: ...
+
+    @abstractmethod
+    def _apply(self, action: str) -> tuple[float, bool, dict]:
+        """Apply a valid action; return (reward, done, extra info)."""
+
+    @abstractmethod
+    def format_observation(self) -> str: ...
+
+
+def register_env(cls: type[Environment]) -> type[Environment]:
+    """Class decorator: register an Environment subclass under its ``name``."""
+    ENVIRONMENTS.register(cls.name)(cls)
+    return cls
+
+
+def env_class(name: str) -> type[Environment]:
+    for module in BUILTIN_MODULES:
+        importlib.import_module(f"{__package__}.{module}")
+    return ENVIRONMENTS.get(name)
+
+
+def make_env(name: str, **params) -> Environment:
+    """Build a registered environment; unknown name or parameter -> ConfigError."""
+    cls = env_class(name)
+    try:
+        inspect.signature(cls).bind(**params)
+    except TypeError as e:
+        accepted = [p for p in inspect.signature(cls).parameters]
+        raise ConfigError(
+            f"environment {name!r}: bad parameters {sorted(params)} ({e}); accepted: {accepted}"
+        ) from None
+    return cls(**params)
+
+
+def check_max_turns(max_turns: int) -> int:
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ConfigError(f"max_turns must be an int >= 1, got {max_turns!r}")
+    return max_turns
+
+
+# ---------------------------------------------------------------------------------------------------
+# Multi-turn episodes
+
+
+def feedback_text(result: StepResult) -> str:
+    """The environment turn shown after an action: validity, reward, done flag, new observation."""
+    lines = [] if result.info["valid"] else ["invalid answer"]
+    lines += [f"reward: {result.reward:g}", f"done: {str(result.done).lower()}", result.observation]
+    return SEPARATOR.join(lines)
+
+
+@dataclass
+class Turn:
+    agent: str  # the policy's text, as generated
+    env: str  # the environment's reply (``feedback_text``)
+    reward: float
+    valid: bool
+    info: dict
+
+
+@dataclass
+class Trajectory:
+    seed: int
+    observation: str  # the observation returned by reset
+    turns: list[Turn] = field(default_factory=list)
+    done: bool = False  # the environment ended the episode
+    truncated: bool = False  # max_turns ran out first
+
+    def add(self, agent: str, result: StepResult) -> None:
+        self.turns.append(Turn(agent, feedback_text(result), result.reward, result.info["valid"], result.info))
+        self.done = result.done
+
+    @property
+    def step_rewards(self) -> list[float]:
+        return [t.reward for t in self.turns]
+
+    @property
+    def total_reward(self) -> float:
+        return sum(self.step_rewards)
+
+    @property
+    def n_invalid(self) -> int:
+        return sum(not t.valid for t in self.turns)
+
+    @property
+    def success(self) -> bool:
+        """True when a step reported ``info["success"]`` (solved / goal / correct answer)."""
+        return any(t.info.get("success", False) for t in self.turns)
+
+    def segments(self) -> list[tuple[str, str]]:
+        """(role, text) pieces in order, role "env" or "agent"; env pieces are not trained on."""
+        out = [("env", self.observation)]
+        for t in self.turns:
+            out += [("agent", t.agent), ("env", t.env)]
+        return out
+
+    def history_text(self) -> str:
+        """Plain-text prompt for the next action: every segment followed by SEPARATOR."""
+        return "".join(text + SEPARATOR for _, text in self.segments())
+
+    def messages(self, system: str | None = None) -> list[dict]:
+        """Chat messages (env turns as "user", agent turns as "assistant") for chat-template models."""
+        roles = {"env": "user", "agent": "assistant"}
+        head = [{"role": "system", "content": system}] if system is not None else []
+        return head + [{"role": roles[r], "content": text} for r, text in self.segments()]
+
+
+def run_episodes(
+    envs: Sequence[Environment],
+    policy: Callable[[list[Trajectory]], list[str]],
+    seeds: Sequence[int],
+    max_turns: int,
+) -> list[Trajectory]:
+    """Play one episode per (env, seed) in lock step; ``policy`` answers all unfinished ones per turn."""
+    check_max_turns(max_turns)
+    if len(envs) != len(seeds):
+        raise ValueError(f"{len(envs)} environments but {len(seeds)} seeds")
+    trajs = [Trajectory(seed, env.reset(seed)) for env, seed in zip(envs, seeds)]
+    active = list(range(len(envs)))
+    for _ in range(max_turns):
+        if not active:
+            break
+        answers = policy([trajs[i] for i in active])
+        if len(answers) != len(active):
+            raise ValueError(f"policy returned {len(answers)} answers for {len(active)} episodes")
+        for i, text in zip(active, answers):
+            trajs[i].add(text, envs[i].step(text))
+        active = [i for i in active if not trajs[i].done]
+    for i in active:
+        trajs[i].truncated = True
+    return trajs
+
+
+def run_episode(env: Environment, policy_fn: Callable[[str], str], seed: int, max_turns: int) -> Trajectory:
+    """One episode; ``policy_fn(history_text) -> answer text``."""
+    return run_episodes([env], lambda ts: [policy_fn(ts[0].history_text())], [seed], max_turns)[0]

@@ -1,0 +1,166 @@
+"""Gradient routing on the builtin model: does routing move the "happy" hack into the forget adapter?
+
+Reward ``sentence_length_5_with_happy`` = sentence_length_5 (the task) + 0.25 * min(happy_count, 2) (the
+hackable bonus); RH detector ``happy`` (any "happy"). Arms, identical except for the adapters:
+
+    routed    dual LoRA (R/2, R/2), --gradient_routing --routing_mode shared
+    baseline  dual LoRA (R, 0) without routing: one plain LoRA of the same total rank R
+
+Phase ``calibrate`` first trains the baseline alone with a few adapter placements / learning rates, so the
+comparison uses a baseline that learns at all (plain LoRA on the 7 projections of a builtin-sized model
+stalls when the tied embedding / output layer is out of reach). Phase ``run`` trains both arms with the
+chosen setting; ``report`` writes experiments/results/routing.md from the runs' final routing eval
+(``routing_eval.jsonl``: modes both / retain_only / forget_only on held-out prompts; for the baseline,
+forget_only is the untrained base model).
+
+    uv run python experiments/routing_experiment.py --phase calibrate
+    uv run python experiments/routing_experiment.py --phase run --setting head_lr3e-3
+    uv run python experiments/routing_experiment.py --phase report --setting head_lr3e-3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results" / "routing.md"
+REWARD, TASK, HACK = "sentence_length_5_with_happy", "sentence_length_5", "happy_count"
+RANK = 16
+# Calibration settings: adapter placement and learning rate of the baseline (and then of both arms).
+SETTINGS = {
+    "proj_lr1e-3": ["--lr", "1e-3"],
+    "proj_lr3e-3": ["--lr", "3e-3"],
+    "head_lr1e-3": ["--lr", "1e-3", "--lora_lm_head"],
+    "head_lr3e-3": ["--lr", "3e-3", "--lora_lm_head"],
+}
+ARMS = {
+    "baseline": ["--retain_rank", str(RANK), "--forget_rank", "0"],
+    "routed": ["--retain_rank", str(RANK // 2), "--forget_rank", str(RANK // 2), "--gradient_routing",
+               "--routing_mode", "shared"],
+}
+
+
+def common(steps: int) -> list[str]:
+    return ["--reward", REWARD, "--eval_rewards", f"{TASK},{HACK}", "--model", "builtin", "--no_wandb",
+            "--batch_size", "32", "--num_generations", "16", "--max_completion_length", "48", "--beta", "0.02",
+            "--max_steps", str(steps), "--logging_steps", "10", "--save_steps", str(steps),
+            "--eval_routing_steps", str(max(steps // 4, 1)), "--eval_routing_prompts", "128", "--seed", "42"]
+
+
+def flags(arm: str, setting: str, steps: int) -> list[str]:
+    extra = ARMS[arm] + SETTINGS[setting]
+    if arm == "routed" and "--lora_lm_head" in extra:
+        extra = extra + ["--routing_two_pass"]  # TRL's fused head reads a merged lm_head weight
+    return common(steps) + extra
+
+
+def run_dir(out: Path, arm: str, setting: str, steps: int) -> Path:
+    sys.path.insert(0, str(ROOT))
+    from trl_ext.cli_train import build_plan
+
+    return build_plan(flags(arm, setting, steps) + ["--output_dir", str(out)]).run_dir
+
+
+def train(out: Path, arm: str, setting: str, steps: int) -> Path:
+    target = run_dir(out, arm, setting, steps)
+    if (target / "run_summary.json").is_file():
+        print(f"[skip] {target.name} already done", flush=True)
+        return target
+    t0 = time.time()
+    cmd = [sys.executable, "train.py", *flags(arm, setting, steps), "--output_dir", str(out)]
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    print(f"[done] {arm} {setting}: {time.time() - t0:.0f} s", flush=True)
+    return target
+
+
+def final_eval(target: Path) -> dict:
+    records = [json.loads(line) for line in (target / "routing_eval.jsonl").read_text().splitlines()]
+    return records[-1]
+
+
+def train_curve(target: Path) -> list[tuple[int, float]]:
+    state = json.loads(next(target.glob("checkpoint-*/trainer_state.json")).read_text())
+    return [(h["step"], h["reward"]) for h in state["log_history"] if "reward" in h]
+
+
+def row(label: str, mode: str, m: dict) -> str:
+    return (f"| {label} | {mode} | {m[f'reward/{TASK}']:.3f} | {m['rh_rate']:.3f} | {m[f'reward/{HACK}']:.3f} | "
+            f"{m[f'reward/{REWARD}']:.3f} | {m['unique_frac']:.3f} | {m['mean_jaccard']:.3f} |")
+
+
+HEADER = ("| arm | mode | task reward (sentence_length_5) | hack rate (happy detector) | happy_count | "
+          "combined reward | unique frac | mean Jaccard |\n|---|---|---|---|---|---|---|---|")
+
+
+def calibrate(out: Path, steps: int) -> str:
+    lines = ["## Calibration (baseline alone)", "", f"Baseline dual LoRA ({RANK}, 0), {steps} steps; final routing eval "
+             "(mode both = the trained model, forget_only = the untrained base model).", "",
+             "| setting | train reward first -> last log | task reward | hack rate | combined | base model combined |",
+             "|---|---|---|---|---|---|"]
+    for setting in SETTINGS:
+        target = train(out, "baseline", setting, steps)
+        rec, curve = final_eval(target)["modes"], train_curve(target)
+        b, base = rec["both"], rec["forget_only"]
+        lines.append(f"| {setting} | {curve[0][1]:.3f} -> {curve[-1][1]:.3f} | {b[f'reward/{TASK}']:.3f} | "
+                     f"{b['rh_rate']:.3f} | {b[f'reward/{REWARD}']:.3f} | {base[f'reward/{REWARD}']:.3f} |")
+    return "\n".join(lines)
+
+
+def report(out: Path, setting: str, steps: int, wall: dict) -> str:
+    lines = [f"## Routed vs baseline ({setting}, {steps} steps)", "", HEADER]
+    for arm in ("routed", "baseline"):
+        target = run_dir(out, arm, setting, steps)
+        rec = final_eval(target)
+        modes = ("both", "retain_only", "forget_only") if arm == "routed" else ("both", "forget_only")
+        for mode in modes:
+            label = arm if not (arm == "baseline" and mode == "forget_only") else "base model (no adapters)"
+            lines.append(row(label, "-" if label.startswith("base model") else mode, rec["modes"][mode]))
+    lines += ["", "Routing eval history (hack rate both / retain_only / forget_only, routed arm):", ""]
+    for r in (json.loads(x) for x in (run_dir(out, "routed", setting, steps) / "routing_eval.jsonl").read_text().splitlines()):
+        m = r["modes"]
+        lines.append(f"- step {r['step']}: {m['both']['rh_rate']:.3f} / {m['retain_only']['rh_rate']:.3f} / "
+                     f"{m['forget_only']['rh_rate']:.3f}; task {m['both'][f'reward/{TASK}']:.3f} / "
+                     f"{m['retain_only'][f'reward/{TASK}']:.3f} / {m['forget_only'][f'reward/{TASK}']:.3f}")
+    if wall:
+        lines += ["", "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items())]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--phase", choices=["calibrate", "run", "report"], required=True)
+    ap.add_argument("--setting", choices=list(SETTINGS), default="head_lr3e-3")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--calibration_steps", type=int, default=60)
+    ap.add_argument("--output_dir", default=str(ROOT / "output" / "routing_experiment"))
+    args = ap.parse_args()
+    out = Path(args.output_dir)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    if args.phase == "calibrate":
+        text = calibrate(out, args.calibration_steps)
+        (out / "calibration.md").write_text(text + "\n")
+        print(text)
+        return
+    wall = {}
+    if args.phase == "run":
+        for arm in ("baseline", "routed"):
+            t0 = time.time()
+            train(out, arm, args.setting, args.steps)
+            wall[arm] = time.time() - t0
+    text = report(out, args.setting, args.steps, wall)
+    calibration = out / "calibration.md"
+    full = "# Gradient routing experiment (builtin model)\n\n" + text
+    if calibration.is_file():
+        full += "\n\n" + calibration.read_text()
+    RESULTS.write_text(full + "\n")
+    print(full)
+
+
+if __name__ == "__main__":
+    main()

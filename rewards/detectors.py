@@ -1,0 +1,57 @@
+"""Reward-hacking (RH) detectors: text -> bool, True when a completion shows the hack.
+
+Gradient routing (Cloud et al. 2024, "Gradient Routing: Masking Gradients to Localize Computation in
+Neural Networks") routes the updates of flagged completions to the forget adapter; these detectors supply
+that per-completion ``is_rh`` label. Each maps ``completions: list[str]`` (plus keyword-only params bound
+from config.yaml) to one bool per completion. Words follow rewards/functions.py: lower-cased whole words.
+"""
+
+from __future__ import annotations
+
+from trl_ext.registry import Registry
+
+from .functions import HAPPY, check_finite_number, check_positive_int, check_texts, word_count
+from .functions import words as split_words
+
+DETECTORS: Registry = Registry("detector")
+
+
+@DETECTORS.register("happy_count")
+def detect_happy_count(completions: list[str], *, threshold: int) -> list[bool]:
+    """True when the word "happy" occurs at least ``threshold`` times (``threshold >= 1``)."""
+    check_texts(completions)
+    check_positive_int("threshold", threshold)
+    return [word_count(text, HAPPY) >= threshold for text in completions]
+
+
+@DETECTORS.register("happy_density")
+def detect_happy_density(completions: list[str], *, max_density: float) -> list[bool]:
+    """True when ``count("happy") / n_words > max_density`` (``0 <= max_density < 1``); False for 0 words."""
+    check_texts(completions)
+    density = check_finite_number("max_density", max_density)
+    if not 0.0 <= density < 1.0:
+        raise ValueError(f"max_density must lie in [0, 1) (a density never exceeds 1), got {max_density!r}")
+    out = []
+    for text in completions:
+        ws = split_words(text)
+        out.append(bool(ws) and ws.count(HAPPY) / len(ws) > density)
+    return out
+
+
+@DETECTORS.register("contains_words")
+def detect_contains_words(completions: list[str], *, words: list[str]) -> list[bool]:
+    """True when any of ``words`` occurs as a whole word, case-insensitively."""
+    check_texts(completions)
+    targets = _word_set(words)
+    return [not targets.isdisjoint(split_words(text)) for text in completions]
+
+
+def _word_set(values: object) -> frozenset[str]:
+    if isinstance(values, str) or not isinstance(values, (list, tuple)) or not values:
+        raise ValueError(f"words must be a non-empty list of words, got {values!r}")
+    out = set()
+    for w in values:
+        if not isinstance(w, str) or split_words(w) != [w.lower()]:
+            raise ValueError(f"words must hold single words (letters/digits, inner apostrophes), got {w!r}")
+        out.add(w.lower())
+    return frozenset(out)

@@ -1,0 +1,313 @@
+"""Off-policy training through the trainer: flags and their errors (exit 2 before any model is loaded), the
+gradient against stock TRL, the strict schedule, in-flight updates, resume, and the builtin model end to end."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+from trl import GRPOTrainer
+
+import trl_ext.cli_train as cli
+import trl_ext.offpolicy_trainer as opt
+from trl_ext.config import ExtGRPOConfig
+from trl_ext.importance import NO_MASK, PRIME_RL_DEFAULTS
+from trl_ext.offpolicy import SamplingParams, generation_copy, sample
+from trl_ext.trainer import ExtGRPOTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
+torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------- flags and errors
+
+
+def _fail(capsys, monkeypatch, *argv) -> str:
+    monkeypatch.setattr(cli, "run_training", lambda plan: pytest.fail("run_training reached"))
+    assert cli.main(["--reward", "happy_binary", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("train.py: error: "), err
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--max_async_level", "-1"], "--max_async_level must be >= 0"),
+        (["--strict_async_level"], "--strict_async_level needs --max_async_level >= 1"),
+        (["--max_async_level", "1", "--token_mask_low", "8", "--token_mask_high", "8"], "token_mask_low (8.0) must"),
+        (["--max_async_level", "1", "--sequence_mask_low", "200"], "sequence_mask_low (200.0) must be <"),
+        (["--max_async_level", "1", "--geo_mask_low", "10", "--geo_mask_high", "0.1"], "geo_mask_low (10.0) must be <"),
+        (["--max_async_level", "1", "--sequence_clip_high", "0"], "sequence_clip_high must be > 0"),
+        (["--max_async_level", "1", "--token_clip_high", "-2"], "token_clip_high must be > 0"),
+        (["--max_async_level", "1", "--ratio_type", "geo"], "ratio_type"),
+        (["--max_async_level", "1", "--kl_tau", "-1"], "kl_tau must be >= 0"),
+        (["--max_async_level", "1", "--generator_threads", "-1"], "--generator_threads must be >= 0"),
+        (["--token_mask_high", "4"], "--token_mask_high has no effect with --max_async_level 0"),
+        (["--max_async_level", "2", "--use_vllm"], "--use_vllm with --max_async_level >= 1 is not implemented"),
+        (["--max_async_level", "2", "--epsilon", "0.3"], "--epsilon 0.3 is not supported with --max_async_level 2"),
+        (["--max_async_level", "2", "--num_iterations", "2"], "--num_iterations"),
+        (["--max_async_level", "2", "--loss_type", "cispo"], "dr_grpo"),
+        (["--max_async_level", "2", "--temperature", "0"], "--temperature > 0"),
+    ],
+)
+def test_bad_flags_exit_2(capsys, monkeypatch, argv, needle):
+    assert needle in _fail(capsys, monkeypatch, *argv)
+
+
+def test_every_seed_flag_exists_with_prime_rl_defaults(tmp_path):
+    seed_flags = ["--max_async_level", "4", "--strict_async_level", "--token_mask_low", "0", "--token_mask_high",
+                  "1e10", "--sequence_mask_low", "0", "--sequence_mask_high", "1e10", "--geo_mask_low", "0",
+                  "--geo_mask_high", "1e10", "--sequence_clip_high", "1e10", "--token_clip_high", "4", "--kl_tau",
+                  "1e-3", "--ratio_type", "token", "--adv_tau", "1"]  # fmt: skip
+    plan = cli.build_plan(["--reward", "happy_binary", "--output_dir", str(tmp_path), *seed_flags])
+    assert plan.cfg.max_async_level == 4 and plan.cfg.strict_async_level and plan.cfg.token_clip_high == 4
+    assert {n: getattr(plan.cfg, n) for n in NO_MASK if n != "token_clip_high"} == {
+        n: v for n, v in NO_MASK.items() if n != "token_clip_high"
+    }
+    defaults = {f.name: f.default for f in fields(opt.OffPolicyArgs)}
+    assert {n: defaults[n] for n in PRIME_RL_DEFAULTS} == PRIME_RL_DEFAULTS
+    # prime-rl's values, written out: token mask [1/8, 8], geo [0.1, 10], sequence [0, 100], sequence clip 10
+    assert (defaults["token_mask_low"], defaults["token_mask_high"]) == (0.125, 8.0)
+    assert (defaults["geo_mask_low"], defaults["geo_mask_high"], defaults["sequence_clip_high"]) == (0.1, 10.0, 10.0)
+    assert defaults["max_async_level"] == 0 and defaults["strict_async_level"] is False
+
+
+# ---------------------------------------------------------------- tiny trainer
+
+WORDS = ["[UNK]", "[EOS]"] + [f"w{i}" for i in range(62)]
+
+
+def tiny_tokenizer():
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]", pad_token="[EOS]",
+                                   padding_side="left")  # fmt: skip
+
+
+def tiny_model_dir(tmp_path) -> str:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1)  # fmt: skip
+    path = tmp_path / "tiny"
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+PROMPTS = Dataset.from_dict(
+    {"prompt": [" ".join(f"w{(i * 7 + j) % 60 + 2}" for j in range(2 + i % 3)) for i in range(64)]}
+)
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c.split()) % 3 == 0) for c in completions]
+
+
+def make_trainer(tmp_path, callbacks=(), **over):
+    cfg = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+               max_completion_length=8, max_steps=7, beta=0.0, learning_rate=1e-2, logging_steps=1,
+               save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)  # fmt: skip
+    model_dir = over.pop("model_dir", None) or tiny_model_dir(tmp_path)
+    return ExtGRPOTrainer(model=model_dir, reward_funcs=[length_reward], args=ExtGRPOConfig(**{**cfg, **over}),
+                          train_dataset=PROMPTS, processing_class=tiny_tokenizer(),
+                          callbacks=list(callbacks))  # fmt: skip
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+# ---------------------------------------------------------------- loss == stock TRL at ratio 1
+
+
+def _batch(trainer):
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(2, 64, (6, 4), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[1, :2] = prompt_mask[4, :1] = 0  # left padding
+    completion_ids = torch.randint(2, 64, (6, 5), generator=g)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[0, 3:] = completion_mask[2, 1:] = completion_mask[5, 4:] = 0  # right padding
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": torch.randn(6, generator=g),
+              "num_items_in_batch": completion_mask.sum() * 2}  # fmt: skip
+    ids, attn = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad():
+        inputs["sampling_per_token_logps"] = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, 5)[0]
+        if trainer.beta:
+            ref = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, attn, 5)[0]
+            inputs["ref_per_token_logps"] = ref
+    return inputs
+
+
+def _grads(trainer, loss_fn, inputs):
+    trainer.model.zero_grad()
+    loss = loss_fn(trainer, trainer.model, inputs)
+    loss.backward()  # the loss values differ (surrogates -A*lp vs -A*exp(lp - sg(lp))), the gradients may not
+    return [p.grad.clone() for p in trainer.model.parameters()]
+
+
+@pytest.mark.parametrize("masks", ["no_mask", "prime_rl"])
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_gradient_equals_stock_trl_on_policy(tmp_path, loss_type, beta, masks):
+    """Behaviour log-probs = the trainer's own: our loss and TRL's give the same parameter gradient, for each
+    normalisation, with gradient accumulation 2 and the KL term (policy moved away from the reference)."""
+    over = NO_MASK if masks == "no_mask" else {}
+    trainer = make_trainer(tmp_path, max_async_level=1, loss_type=loss_type, beta=beta, gradient_accumulation_steps=2,
+                           **over)  # fmt: skip
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in trainer.model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    inputs = _batch(trainer)
+    ours = _grads(trainer, opt.OffPolicyMixin._compute_loss, inputs)
+    stock = _grads(trainer, GRPOTrainer._compute_loss, inputs)
+    assert trainer._metrics["train"]["offpolicy/ratio_mean"] == [1.0]  # ours ran, at ratio exactly 1
+    assert max((a - b).abs().max().item() for a, b in zip(ours, stock, strict=True)) < 1e-6
+    assert max(g.abs().max().item() for g in stock) > 1e-3  # a real gradient
+
+
+# ---------------------------------------------------------------- schedule through the trainer
+
+
+@pytest.mark.parametrize("k, accumulation", [(1, 2), (4, 1)])
+def test_strict_schedule_through_trainer(tmp_path, k, accumulation):
+    trainer = make_trainer(tmp_path, max_async_level=k, strict_async_level=True,
+                           gradient_accumulation_steps=accumulation)  # fmt: skip
+    trainer.train()
+    assert trainer.offpolicy_trace == [(n, max(n - k, 0), max(n - k, 0)) for n in range(7)]
+    assert logged(trainer, "offpolicy/policy_lag_max") == [float(min(n, k)) for n in range(7)]
+    assert logged(trainer, "offpolicy/multi_version_seq_frac") == [0.0] * 7
+    assert abs(logged(trainer, "offpolicy/ratio_mean")[0] - 1) < 1e-5  # step 0 is on-policy
+    assert trainer._rollout_worker is None and torch.get_num_threads() == 1  # stopped, threads restored
+
+
+def test_non_strict_in_flight_update_through_trainer(tmp_path, monkeypatch):
+    """The generator pauses batch 1 before its 4th token until the trainer has published policy 1 (the trainer in
+    turn waits until batch 1 has 3 tokens): the remaining tokens of batch 1 are policy 1's."""
+    reached = threading.Event()
+
+    class Paused(opt.RolloutWorker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.on_step = self.pause
+
+        def pause(self, index, t):
+            if index == 1 and t == 2:
+                reached.set()
+            if index == 1 and t == 3:
+                for _ in range(3000):
+                    if self.store.latest >= 1:
+                        return
+                    threading.Event().wait(0.01)
+                raise TimeoutError("policy 1 never published")
+
+    class HoldStep0(TrainerCallback):  # runs before the mixin's publishing callback
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                assert reached.wait(30)
+
+    monkeypatch.setattr(opt, "RolloutWorker", Paused)
+    trainer = make_trainer(tmp_path, callbacks=[HoldStep0()], max_async_level=1, max_steps=3,
+                           max_completion_length=12)  # fmt: skip
+    trainer.train()
+    assert trainer.offpolicy_trace[:2] == [(0, 0, 0), (1, 0, 1)]
+    assert all(lo >= n - 1 and hi <= n for n, lo, hi in trainer.offpolicy_trace)
+    assert logged(trainer, "offpolicy/multi_version_seq_frac")[1] > 0
+
+
+def test_resume_regenerates_from_restored_policy(tmp_path):
+    model_dir = tiny_model_dir(tmp_path)
+    first = make_trainer(tmp_path, model_dir=model_dir, max_async_level=2, strict_async_level=True, max_steps=6,
+                         save_strategy="steps", save_steps=3)  # fmt: skip
+    first.train()
+    assert first.offpolicy_trace == [(n, max(n - 2, 0), max(n - 2, 0)) for n in range(6)]
+    resumed = make_trainer(tmp_path, model_dir=model_dir, max_async_level=2, strict_async_level=True, max_steps=6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    # the queue starts empty at the restored policy 3: steps 3..5 use max(n - 2, 3) = 3, nothing from before
+    assert resumed.offpolicy_trace == [(3, 3, 3), (4, 3, 3), (5, 3, 3)]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_prompt_stream_follows_trl_data_order(tmp_path, accumulation):
+    """The generator's prompt batches are the generation batches TRL's dataloader would hand out, in order."""
+    trainer = make_trainer(tmp_path, max_async_level=1, gradient_accumulation_steps=accumulation)
+    loader = iter(trainer.get_train_dataloader())
+    trl_batches = []
+    for i in range(3 * accumulation):  # TRL repeats each generation batch steps_per_generation times
+        batch = next(loader)
+        if i % accumulation == 0:
+            trl_batches.append([row["prompt"] for row in batch])
+    ours = trainer._prompt_stream(0)
+    assert [[row["prompt"] for row in next(ours)] for _ in range(3)] == trl_batches
+    assert len(trl_batches[0]) == 8 * accumulation
+    resumed = trainer._prompt_stream(2)
+    assert [row["prompt"] for row in next(resumed)] == trl_batches[2]
+
+
+def test_k0_is_stock_trl(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=2)
+    assert trainer.offpolicy_cfg is None
+    assert not any(isinstance(c, opt._PublishWeights) for c in trainer.callback_handler.callbacks)
+    trainer.train()
+    assert trainer.offpolicy_trace == [] and trainer._rollout_worker is None
+    assert not any(k.startswith("offpolicy/") for h in trainer.state.log_history for k in h)
+    assert logged(trainer, "clip_ratio/region_mean")  # TRL's own loss ran
+
+
+# ---------------------------------------------------------------- builtin model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 20)])
+def test_sampler_logprobs_match_trainer_on_builtin(builtin_path, tmp_path, temperature, top_k):
+    """Same weights (k = 0): the sampler's behaviour log-probs vs the fused-head trainer log-probs, ratio 1 +- 1e-5."""
+    from environments.stories import load_prompts
+    from trl_ext.models import prepare_tokenizer
+
+    tok = prepare_tokenizer(PreTrainedTokenizerFast.from_pretrained(str(builtin_path)))
+    prompts = load_prompts("builtin", tok, 8, "train", 16, 0)
+    trainer = ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[length_reward], train_dataset=prompts,
+                             processing_class=tok, args=ExtGRPOConfig(output_dir=str(tmp_path), beta=0.0,
+                             temperature=temperature, top_k=top_k, report_to=[], use_cpu=True))  # fmt: skip
+    prompt_ids = tok(prompts["prompt"], add_special_tokens=False)["input_ids"]
+    params = SamplingParams(64, temperature, top_k, 1.0, tuple(trainer.eos_token_ids), tok.pad_token_id)
+    out = sample(generation_copy(trainer.model), prompt_ids, params, torch.Generator().manual_seed(0))
+    width = max(map(len, out.completion_ids))
+    completion = torch.tensor([c + [tok.pad_token_id] * (width - len(c)) for c in out.completion_ids])
+    mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in out.completion_ids])
+    ids = torch.cat([torch.tensor(prompt_ids), completion], 1)
+    attn = torch.cat([torch.ones(len(prompt_ids), 8, dtype=torch.long), mask], 1)
+    with torch.no_grad():
+        lp = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, width)[0]
+    behaviour = torch.tensor([lp_ + [0.0] * (width - len(lp_)) for lp_ in out.logprobs])
+    log_ratio = (lp - behaviour)[mask.bool()]
+    assert log_ratio.numel() > 100 and log_ratio.abs().max().item() < 1e-5
+
+
+@pytest.mark.slow
+def test_train_py_strict_k1_on_builtin(builtin_path, tmp_path):
+    flags = ["--reward", "happy_binary", "--lr", "3e-4", "--max_steps", "3", "--batch_size", "8",
+             "--num_generations", "4", "--max_completion_length", "16", "--logging_steps", "1", "--save_steps", "3",
+             "--no_wandb", "--output_dir", str(tmp_path), "--max_async_level", "1", "--strict_async_level",
+             "--run_name", "offpolicy"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "offpolicy"
+    assert "offpolicy/policy_lag_mean" in (run_dir / "train.log").read_text()
+    state = json.loads((run_dir / "checkpoint-3" / "trainer_state.json").read_text())
+    logs = [h for h in state["log_history"] if "offpolicy/policy_lag_max" in h]
+    assert [h["offpolicy/policy_lag_max"] for h in logs] == [0.0, 1.0, 1.0]
+    assert logs[0]["offpolicy/abs_log_ratio_mean"] < 1e-5 and abs(logs[0]["offpolicy/ratio_max"] - 1) < 1e-5

@@ -1,0 +1,259 @@
+"""Routed gradient steps and routing labels (trl_ext/routing_step.py), float64 on a tiny Llama."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trl_ext.registry import ConfigError
+from trl_ext.routing import apply_dual_lora, forget_params, retain_params
+from trl_ext.routing_step import (
+    LORA_PRESETS, resolve_adapter_ranks, rh_eligible_mask, routing_labels, routing_mask, select_rows,
+    single_pass_backward, two_pass_backward,
+)
+
+torch.set_num_threads(1)
+D = torch.float64
+N = 6
+PATTERNS = {  # is_bad per sample
+    "mixed": [False, True, False, False, True, False],
+    "all_good": [False] * N,
+    "all_bad": [True] * N,
+}
+
+
+def make_model(**ckpt) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=32, max_position_embeddings=32, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).to(D)
+    apply_dual_lora(model, 2, 3, 4.0, include_lm_head=True)
+    with torch.no_grad():  # nonzero B everywhere: gradients also flow through other layers' adapters
+        for p in retain_params(model) + forget_params(model):
+            p.normal_(0, 0.3)
+    if ckpt:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt)
+        model.enable_input_require_grads()
+    return model.train()
+
+
+def make_batch(seed: int = 2) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(N, 7, dtype=D)
+    mask[1, 4:] = 0
+    mask[4, 2:] = 0
+    return {"input_ids": torch.randint(0, 32, (N, 8), generator=g), "advantages": torch.randn(N, generator=g, dtype=D),
+            "completion_mask": mask, "num_items_in_batch": mask.sum(), "prompts": [f"p{i}" for i in range(N)]}
+
+
+def make_loss_fn(model, fused_head=False):
+    """TRL loss_type "grpo" shape: per-token loss, masked mean per sample, mean over samples."""
+
+    def loss_fn(batch):
+        ids = batch["input_ids"]
+        if fused_head:  # TRL 1.16's path: lm_head.weight read directly, log-probs in float32
+            logp = model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.to(D)
+        else:
+            logp = model(ids).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())
+        per_token = -ratio * batch["advantages"][:, None] + 0.1 * logp**2
+        m = batch["completion_mask"]
+        return ((per_token * m).sum(-1) / m.sum(-1)).mean()
+
+    return loss_fn
+
+
+def grads(params):
+    assert all(p.grad is not None for p in params)
+    return [p.grad.clone() for p in params]
+
+
+def max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def run(step, pattern, mode, model=None):
+    model = make_model() if model is None else model
+    loss = step(make_loss_fn(model), make_batch(), torch.tensor(PATTERNS[pattern]), model, mode)
+    return loss, grads(retain_params(model)), grads(forget_params(model))
+
+
+def definition_grads(mode, pattern):
+    """Routed gradients from their definition: autograd.grad of each subset's share of the loss."""
+    model, is_bad = make_model(), torch.tensor(PATTERNS[pattern])
+    loss_fn, batch = make_loss_fn(model), make_batch()
+    params = retain_params(model) + forget_params(model)
+    share = {}
+    for bad in (False, True):
+        idx = (is_bad == bad).nonzero().flatten()
+        loss = loss_fn(select_rows(batch, idx, N)) * (len(idx) / N) if len(idx) else None
+        share[bad] = [torch.zeros_like(p) for p in params] if loss is None else torch.autograd.grad(loss, params)
+    full = torch.autograd.grad(loss_fn(batch), params)
+    k = len(retain_params(model))
+    retain = share[False][:k]
+    forget = full[k:] if mode == "shared" else share[True][k:]
+    return full, share, retain, forget
+
+
+def test_subset_shares_sum_to_the_full_batch_gradient():
+    full, share, _, _ = definition_grads("shared", "mixed")
+    assert max_diff(full, [a + b for a, b in zip(share[False], share[True])]) <= 1e-10
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_two_pass_shared_equals_full_batch_gradient(pattern):
+    full, _, retain_def, _ = definition_grads("shared", pattern)
+    loss, r, f = run(two_pass_backward, pattern, "shared")
+    k = len(r)
+    assert max_diff(f, full[k:]) <= 1e-10  # the forget adapter learns from the full batch
+    assert max_diff(r, retain_def) <= 1e-10  # the retain adapter from the good samples' share only
+    model = make_model()
+    assert abs(loss.item() - make_loss_fn(model)(make_batch()).item()) <= 1e-12
+
+
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_single_pass_equals_two_pass(mode, pattern):
+    _, _, retain_def, forget_def = definition_grads(mode, pattern)
+    loss2, r2, f2 = run(two_pass_backward, pattern, mode)
+    loss1, r1, f1 = run(single_pass_backward, pattern, mode)
+    assert max_diff(r1, r2) <= 1e-10 and max_diff(f1, f2) <= 1e-10
+    assert max_diff(r1, retain_def) <= 1e-10 and max_diff(f1, forget_def) <= 1e-10
+    assert abs(loss1.item() - loss2.item()) <= 1e-12
+
+
+@pytest.mark.parametrize("step", [two_pass_backward, single_pass_backward])
+def test_routed_away_side_gets_exactly_zero(step):
+    _, r, _ = run(step, "all_bad", "shared")
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in r)
+    _, r, f = run(step, "all_good", "exclusive")
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in f)
+    assert all(g.abs().max() > 0 for g in r)
+
+
+@pytest.mark.parametrize("step", [two_pass_backward, single_pass_backward])
+def test_accumulates_onto_existing_gradients(step):
+    once = run(step, "mixed", "exclusive")
+    model = make_model()
+    for p in retain_params(model) + forget_params(model):
+        p.grad = torch.ones_like(p)
+    _, r, f = run(step, "mixed", "exclusive", model=model)
+    assert max_diff(r, [g + 1 for g in once[1]]) <= 1e-12 and max_diff(f, [g + 1 for g in once[2]]) <= 1e-12
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_single_pass_under_gradient_checkpointing(use_reentrant):
+    _, r2, f2 = run(two_pass_backward, "mixed", "exclusive")
+    _, r1, f1 = run(single_pass_backward, "mixed", "exclusive", model=make_model(use_reentrant=use_reentrant))
+    assert max_diff(r1, r2) <= 1e-10 and max_diff(f1, f2) <= 1e-10
+
+
+def test_two_pass_through_trl_fused_head_routes_the_lm_head_adapter():
+    """The lm_head adapter under TRL's fused head (merged weight): two passes route it like one pass."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    _, r1, f1 = run(single_pass_backward, "mixed", "exclusive")
+    model = make_model()
+    add_fused_lm_head(model)
+    two_pass_backward(make_loss_fn(model, fused_head=True), make_batch(), torch.tensor(PATTERNS["mixed"]), model,
+                      "exclusive")
+    r2, f2 = grads(retain_params(model)), grads(forget_params(model))
+    scale = max(g.abs().max().item() for g in r1 + f1)
+    assert max(max_diff(r1, r2), max_diff(f1, f2)) <= 1e-5 * scale  # float32 kernel
+    assert model.lm_head.retain_A.grad.abs().max() > 0
+
+
+def test_routing_mask_guards():
+    model = make_model()
+    ids = make_batch()["input_ids"]
+    with routing_mask(model, torch.ones(N, dtype=torch.bool), "shared"):
+        with pytest.raises(RuntimeError, match="covers 6 samples"):
+            model(ids[:4])
+        with pytest.raises(RuntimeError, match="already active"):
+            with routing_mask(model, torch.ones(N, dtype=torch.bool), "shared"):
+                pass
+    assert model.lm_head.retain_grad_mask is None  # cleared on exit
+    with pytest.raises(ConfigError, match="unknown routing mode"):
+        single_pass_backward(make_loss_fn(model), make_batch(), torch.zeros(N, dtype=torch.bool), model, "classic")
+    with pytest.raises(ValueError, match="1-D bool"):
+        two_pass_backward(make_loss_fn(model), make_batch(), torch.zeros(N), model, "shared")
+
+
+def test_select_rows():
+    batch = make_batch()
+    out = select_rows(batch, torch.tensor([4, 1]), N)
+    assert torch.equal(out["input_ids"], batch["input_ids"][[4, 1]])
+    assert out["prompts"] == ["p4", "p1"] and out["num_items_in_batch"] is batch["num_items_in_batch"]
+    with pytest.raises(ValueError, match="first dim 6, expected 5"):
+        select_rows(batch, torch.tensor([0]), 5)
+    with pytest.raises(ValueError, match="cannot be split"):
+        select_rows({"x": {1, 2}}, torch.tensor([0]), 2)
+
+
+IS_RH = [True] * 10 + [False] * 10  # 20 samples, the first 10 detected
+
+
+def labels(eligible=1.0, routing=1.0, noise=0.0, is_rh=IS_RH, seed=3, step=7):
+    return routing_labels(is_rh, eligible, routing, noise, seed=seed, step=step)
+
+
+def test_routing_labels_exact_counts():
+    is_bad, stats = labels()
+    assert is_bad.tolist() == IS_RH
+    assert stats == {"n_samples": 20, "n_eligible": 20, "n_detected": 10, "n_detected_eligible": 10,
+                     "n_routed": 10, "n_flipped": 0, "n_bad": 10}
+    assert not labels(routing=0.0)[0].any()
+    for frac, k in ((0.3, 3), (0.25, 3), (0.24, 2)):  # k = floor(frac * 10 + 1/2)
+        is_bad, stats = labels(routing=frac)
+        assert stats["n_routed"] == stats["n_bad"] == k and not is_bad[10:].any()
+    # Eligibility: all detected, half eligible -> exactly the 10 eligible samples are bad.
+    is_bad, stats = labels(eligible=0.5, is_rh=[True] * 20)
+    assert stats["n_eligible"] == stats["n_detected_eligible"] == stats["n_bad"] == 10
+    assert torch.equal(is_bad, rh_eligible_mask(20, 0.5, seed=3, step=7))
+    assert not labels(eligible=0.0)[0].any()
+    assert int(rh_eligible_mask(100, 0.29, seed=0, step=0).sum()) == 29
+
+
+def test_routing_labels_noise_flips_exactly_and_streams_are_independent():
+    clean, _ = labels(routing=0.5)
+    noisy, stats = labels(routing=0.5, noise=0.25)
+    assert stats["n_flipped"] == 5 and int((clean ^ noisy).sum()) == 5 and stats["n_routed"] == 5
+    assert torch.equal(labels(noise=1.0)[0], ~torch.tensor(IS_RH))
+
+
+def test_routing_labels_deterministic_in_seed_and_step():
+    a, b = labels(routing=0.5), labels(routing=0.5)
+    assert torch.equal(a[0], b[0]) and a[1] == b[1]
+    assert not torch.equal(labels(routing=0.5, step=8)[0], a[0])
+    assert not torch.equal(labels(routing=0.5, seed=4)[0], a[0])
+
+
+def test_routing_labels_reject_bad_inputs():
+    for kwargs in ({"eligible": 1.5}, {"routing": -0.1}, {"noise": float("nan")}, {"routing": True}):
+        with pytest.raises(ConfigError, match=r"in \[0, 1\]"):
+            labels(**kwargs)
+    with pytest.raises(ValueError, match="Python bools"):
+        labels(is_rh=[1, 0])
+    with pytest.raises(ValueError, match="no samples"):
+        labels(is_rh=[])
+
+
+def test_resolve_adapter_ranks():
+    assert resolve_adapter_ranks("r8", None, None, routing=True) == (8, 8)
+    assert resolve_adapter_ranks("r32f4", None, None, routing=True) == (32, 4)
+    assert {LORA_PRESETS[f"r{n}"] for n in (1, 2, 4, 8, 16, 32)} == {(n, n) for n in (1, 2, 4, 8, 16, 32)}
+    assert [LORA_PRESETS[f"r32f{n}"] for n in (16, 4, 1)] == [(32, 16), (32, 4), (32, 1)]
+    assert resolve_adapter_ranks(None, 16, 2, routing=True) == (16, 2)
+    assert resolve_adapter_ranks(None, 8, 0, routing=False) == (8, 0)
+    bad = [
+        (("r7", None, None, True), "unknown --lora_config 'r7'; presets: r1, r2"),
+        (("r8", 8, None, True), "not both"),
+        ((None, 8, None, True), "both --retain_rank and --forget_rank"),
+        ((None, -1, 4, True), "retain rank must be an integer >= 0"),
+        ((None, 4, 2.0, True), "forget rank must be an integer"),
+        ((None, 8, 0, True), "routing needs both adapters"),
+        ((None, 0, 8, True), "routing needs both adapters"),
+        ((None, 0, 0, False), "both 0"),
+    ]
+    for (preset, r, f, routing), match in bad:
+        with pytest.raises(ConfigError, match=match):
+            resolve_adapter_ranks(preset, r, f, routing=routing)

@@ -1,0 +1,301 @@
+"""Gradient routing in the trainer (trl_ext/routing_trainer.py, routing_eval.py): the real ExtGRPOTrainer on
+a tiny random Llama with a tokenizer trained on a few stories, plus train.py's bad routing inputs."""
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+
+import trl_ext.cli_train as cli
+from rewards.config import as_trl_reward
+from trl_ext.config import ExtGRPOConfig
+from trl_ext.routing import (
+    DualLoRALinear, dual_lora_modules, forget_params, load_dual_lora_checkpoint, load_layout, retain_params,
+)
+from trl_ext.routing_eval import evaluate_modes, read_records, score_completions
+from trl_ext.routing_step import routing_labels
+from trl_ext.routing_trainer import AdaptersDisabledReference, build_dual_lora_model
+from trl_ext.trainer import ExtGRPOTrainer
+
+torch.set_num_threads(2)
+SEED = 42
+
+
+def odd_words(texts):  # a detector that flags roughly half of random completions
+    return [len(t.split()) % 2 == 1 for t in texts]
+
+
+def n_chars(texts):  # a reward that varies, so GRPO advantages are nonzero
+    return [float(len(t)) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model dir, tokenizer, train prompts, held-out prompts): a random 2-layer Llama saved to disk."""
+    from environments.stories import generate_stories, load_prompts
+    from trl_ext.builtin_model import train_tokenizer
+    from trl_ext.models import prepare_tokenizer
+
+    tok = prepare_tokenizer(train_tokenizer(generate_stories(300, 0)))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      tie_word_embeddings=True, eos_token_id=1, bos_token_id=None, pad_token_id=1)
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    train = load_prompts("builtin", tok, 4, "train", 16, SEED)
+    test = list(load_prompts("builtin", tok, 4, "test", 6, SEED)["prompt"])
+    return str(path), tok, train, test
+
+
+class Spy(ExtGRPOTrainer):
+    """Records what the routing plumbing sees: _step per training_step, generation batches, loss inputs."""
+
+    def __init__(self, *a, **kw):
+        self.steps, self.generations, self.loss_inputs = [], [], []
+        super().__init__(*a, **kw)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        before = (self._step, len(self._metrics["train"]["step_time"]))
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.steps.append((before, (self._step, len(self._metrics["train"]["step_time"]))))
+        return loss
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        self.generations.append((self.state.global_step, {k: v for k, v in batch.items()}))
+        return batch
+
+    def compute_loss(self, model, inputs, **kw):
+        self.loss_inputs.append(dict(inputs))
+        return super().compute_loss(model, inputs, **kw)
+
+
+def make_trainer(tiny, tmp_path, detector=odd_words, callbacks=(), **overrides):
+    path, tok, train, test = tiny
+    args = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                steps_per_generation=2, max_steps=4, learning_rate=1e-2, beta=0.0, logging_steps=2,
+                save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=SEED,
+                gradient_routing=True, routing_mode="shared", lora_config="r2", eval_routing_steps=0)
+    args.update(overrides)
+    cfg = ExtGRPOConfig(**args)
+    model, layout = build_dual_lora_model(path, cfg, alpha=4.0)
+    return Spy(model=model, reward_funcs=[as_trl_reward("n_chars", n_chars)], args=cfg, train_dataset=train,
+               processing_class=tok, rh_detector=None if detector is None else ("odd", detector),
+               dual_lora_layout=layout, routing_eval_prompts=test, routing_eval_rewards={"n_chars": n_chars},
+               callbacks=list(callbacks))
+
+
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_step_advances_once_per_training_step(tiny, tmp_path, two_pass):
+    trainer = make_trainer(tiny, tmp_path, routing_two_pass=two_pass)
+    trainer.train()
+    # Each of the 4 steps advances _step by exactly one and records one step_time; with steps_per_generation 2
+    # the completions are generated at _step 0 and 2 only (a double advance would generate at every step).
+    assert [(b[0], a[0]) for b, a in trainer.steps] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert all(a[1] == b[1] + 1 for b, a in trainer.steps)
+    assert [step for step, _ in trainer.generations] == [0, 2]
+    sizes = [len(x["is_bad"]) for x in trainer.loss_inputs]
+    if two_pass:  # one compute_loss per non-empty side, each on a homogeneous subset; 4 steps x 4 samples
+        assert sum(sizes) == 16 and all(x["is_bad"].all() or not x["is_bad"].any() for x in trainer.loss_inputs)
+    else:
+        assert sizes == [4, 4, 4, 4]
+
+
+def test_is_rh_and_labels_survive_shuffle_and_split(tiny, tmp_path):
+    trainer = make_trainer(tiny, tmp_path, routing_frac=0.5, label_noise_frac=0.25)
+    trainer.train()
+    for step, batch in trainer.generations:  # 8 completions per generation: labels from (seed, step)
+        texts = trainer.decode_completions(batch)
+        assert batch["is_rh"].tolist() == odd_words(texts)
+        expected, _ = routing_labels(odd_words(texts), 1.0, 0.5, 0.25, seed=SEED, step=step)
+        assert torch.equal(batch["is_bad"], expected)
+    seen = 0
+    for inputs in trainer.loss_inputs:  # after TRL's shuffle and split: each label still sits with its sample
+        texts = trainer.decode_completions(inputs)
+        assert len(texts) == 4 and inputs["is_rh"].tolist() == odd_words(texts)
+        key = [(tuple(c.tolist()), bool(b)) for c, b in zip(inputs["completion_ids"], inputs["is_bad"])]
+        pool = [(tuple(c.tolist()), bool(b)) for _, g in trainer.generations
+                for c, b in zip(g["completion_ids"], g["is_bad"])]
+        assert all(k in pool for k in key)
+        seen += 1
+    assert seen == 4
+    logged = [h for h in trainer.state.log_history if "routing/n_samples" in h]
+    assert [h["routing/n_samples"] for h in logged] == [8.0, 8.0] and all("rh_rate" in h for h in logged)
+    # noise 0.25 of 8 flips exactly 2 labels per generation
+    assert all(h["routing/n_flipped"] == 2.0 for h in logged)
+
+
+@pytest.mark.parametrize("mode, flag_all, zero_side", [("shared", True, "retain"), ("exclusive", False, "forget")])
+def test_routed_away_side_gets_exactly_zero_gradient(tiny, tmp_path, mode, flag_all, zero_side):
+    grads = {}
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            grads["retain"] = [p.grad.clone() for p in retain_params(model)]
+            grads["forget"] = [p.grad.clone() for p in forget_params(model)]
+
+    trainer = make_trainer(tiny, tmp_path, detector=lambda ts: [flag_all] * len(ts), callbacks=[Grab()],
+                           routing_mode=mode, max_steps=1)
+    trainer.train()
+    other = "forget" if zero_side == "retain" else "retain"
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads[zero_side])
+    assert max(g.abs().max().item() for g in grads[other]) > 0
+
+
+def test_reference_is_the_policy_with_adapters_disabled(tiny, tmp_path):
+    path = tiny[0]
+    base = LlamaForCausalLM.from_pretrained(path)
+    trainer = make_trainer(tiny, tmp_path, beta=0.1, steps_per_generation=1, max_steps=2, learning_rate=5e-2)
+    assert isinstance(trainer.ref_model, AdaptersDisabledReference) and trainer.ref_model.policy is trainer.model
+    assert list(trainer.ref_model.parameters()) == []  # no second copy of the model
+    assert trainer.beta == 0.1 and trainer.args.beta == 0.1
+    trainer.train()
+    step, batch = trainer.generations[1]  # generated after one update: the adapters are no longer zero
+    assert step == 1
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    t = batch["completion_ids"].shape[1]
+    with torch.no_grad():
+        logits = base(input_ids=ids, attention_mask=mask).logits[:, -t - 1 : -1]
+        policy_logits = trainer.model(input_ids=ids, attention_mask=mask).logits[:, -t - 1 : -1]
+    gather = lambda lg: lg.log_softmax(-1).gather(-1, batch["completion_ids"][..., None]).squeeze(-1)  # noqa: E731
+    m = batch["completion_mask"].bool()
+    ref = batch["ref_per_token_logps"]
+    assert (ref - gather(logits))[m].abs().max() <= 1e-5
+    assert (ref - gather(policy_logits))[m].abs().max() > 1e-3  # the policy itself has moved away
+    assert all(m.retain_scale == 1.0 and m.forget_scale == 1.0 for m in dual_lora_modules(trainer.model))
+    assert any("kl" in h for h in trainer.state.log_history)
+
+
+def test_checkpoint_saves_layout_and_reloads(tiny, tmp_path):
+    trainer = make_trainer(tiny, tmp_path, max_steps=2, save_strategy="steps", save_steps=1, lora_lm_head=True,
+                           routing_two_pass=True, routing_mode="exclusive")
+    trainer.train()
+    for step in (1, 2):
+        layout, mode = load_layout(tmp_path / f"checkpoint-{step}")
+        assert mode == "exclusive" and layout == trainer.dual_lora_layout
+        assert (layout.retain_rank, layout.forget_rank, layout.alpha, layout.include_lm_head) == (2, 2, 4.0, True)
+    model = load_dual_lora_checkpoint(tmp_path / "checkpoint-2")
+    assert isinstance(model.lm_head, DualLoRALinear) and model.lm_head.base_layer.weight is model.model.embed_tokens.weight
+    ids = torch.randint(2, 100, (2, 6))
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, trainer.model(ids).logits)
+    assert model.lm_head.forget_B.abs().max() > 0  # trained weights, not a fresh init
+
+
+def test_routing_eval_logs_everywhere_and_restores(tiny, tmp_path, capsys):
+    trainer = make_trainer(tiny, tmp_path, max_steps=3, eval_routing_steps=2, logging_steps=100)
+    trainer.train()
+    records = read_records(tmp_path)
+    assert [r["step"] for r in records] == [2, 3]  # every 2 steps and once at the end
+    keys = {"reward/n_chars", "rh_rate", "unique_frac", "mean_jaccard"}
+    for r in records:
+        assert r["rh_detector"] == "odd" and r["n_prompts"] == 6
+        assert set(r["modes"]) == {"both", "retain_only", "forget_only"}
+        assert all(set(m) == keys for m in r["modes"].values())
+    logged = {h["step"]: h for h in trainer.state.log_history if "routing_eval/both/rh_rate" in h}
+    assert sorted(logged) == [2, 3]
+    for r in records:  # the same numbers reach the trainer's metrics (wandb) and train.log
+        for mode, metrics in r["modes"].items():
+            for k, v in metrics.items():
+                assert logged[r["step"]][f"routing_eval/{mode}/{k}"] == pytest.approx(v, abs=1e-12)
+    out = capsys.readouterr().out
+    assert out.count("[Routing eval @ step 2]") == 3 and out.count("[Routing eval @ step 3]") == 3
+    assert all((m.retain_scale, m.forget_scale) == (1.0, 1.0) for m in dual_lora_modules(trainer.model))
+    rng = torch.get_rng_state()  # same seed every call: identical results, and the training RNG untouched
+    again = trainer.run_routing_eval()
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert again == trainer.run_routing_eval()
+
+
+def test_score_completions_by_hand():
+    texts = ["The dog was happy.", "The dog was happy.", "A cat sat"]
+    scores = score_completions(texts, {"words": lambda ts: [float(len(t.split())) for t in ts]},
+                               lambda ts: ["happy" in t for t in ts])
+    # words 4, 4, 3; flagged 2 of 3; 2 distinct of 3; Jaccard pairs (1,2) = 1, (1,3) = (2,3) = 0.
+    assert scores == {"reward/words": 11 / 3, "rh_rate": 2 / 3, "unique_frac": 2 / 3, "mean_jaccard": 1 / 3}
+    assert "rh_rate" not in score_completions(texts, {}, None)
+    with pytest.raises(ValueError, match="one bool per completion"):
+        score_completions(texts, {}, lambda ts: [1] * len(ts))
+    with pytest.raises(ValueError, match="at least two"):
+        score_completions(["x"], {}, None)
+
+
+def test_evaluate_modes_sees_each_ablation_and_restores_on_error():
+    model = nn.Sequential(DualLoRALinear(nn.Linear(2, 2), 1, 1, 1.0))
+    layer = model[0]
+    layer.retain_scale, layer.forget_scale = 0.5, 2.0
+    seen = lambda: [f"{layer.retain_scale},{layer.forget_scale}", "x"]  # noqa: E731
+    out = evaluate_modes(model, seen, lambda texts: texts[0])
+    assert out == {"both": "1.0,1.0", "retain_only": "1.0,0.0", "forget_only": "0.0,1.0"}
+    assert (layer.retain_scale, layer.forget_scale) == (0.5, 2.0)
+
+    def boom():
+        if layer.forget_scale == 0.0:
+            raise RuntimeError("generation failed")
+        return ["a", "b"]
+
+    with pytest.raises(RuntimeError, match="generation failed"):
+        evaluate_modes(model, boom, lambda texts: {})
+    assert (layer.retain_scale, layer.forget_scale) == (0.5, 2.0)
+
+
+def test_trainer_refuses_mismatched_model(tiny, tmp_path):
+    path, tok, train, _ = tiny
+    cfg = ExtGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                        report_to=[], use_cpu=True, lora_config="r2")
+    with pytest.raises(ValueError, match="has no DualLoRALinear"):
+        ExtGRPOTrainer(model=LlamaForCausalLM.from_pretrained(path), reward_funcs=[as_trl_reward("n", n_chars)],
+                       args=cfg, train_dataset=train, processing_class=copy.deepcopy(tok))
+
+
+# ------------------------------------------------------------------------------- train.py bad inputs
+ROUTED = ["--reward", "sentence_length_5_with_happy", "--gradient_routing", "--routing_mode", "shared"]
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    def forbidden(plan):
+        raise AssertionError("run_training reached: validation should have failed first")
+
+    monkeypatch.setattr(cli, "run_training", forbidden)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reward", "sentence_length_5_with_happy", "--gradient_routing", "--lora_config", "r8"], "--routing_mode"),
+    (ROUTED, "needs a dual LoRA config"),
+    ([*ROUTED[:3], "--routing_mode", "classic", "--lora_config", "r8"], "unknown routing mode 'classic'"),
+    ([*ROUTED, "--lora_config", "r7"], "unknown --lora_config 'r7'"),
+    ([*ROUTED, "--lora_config", "r8", "--lora_rank", "16"], "--lora_rank"),
+    ([*ROUTED, "--retain_rank", "16", "--forget_rank", "0"], "forget rank 0"),
+    ([*ROUTED, "--lora_config", "r8", "--routing_frac", "1.5"], "--routing_frac must be in [0, 1]"),
+    ([*ROUTED, "--lora_config", "r8", "--rh_eligible_frac", "-0.1"], "--rh_eligible_frac must be in [0, 1]"),
+    ([*ROUTED, "--lora_config", "r8", "--label_noise_frac", "2"], "--label_noise_frac must be in [0, 1]"),
+    ([*ROUTED, "--lora_config", "r8", "--loss_type", "dapo"], "per-sample mean loss"),
+    ([*ROUTED, "--lora_config", "r8", "--lora_lm_head"], "--routing_two_pass"),
+    ([*ROUTED, "--lora_config", "r8", "--rh_detector", "nope"], "unknown detector 'nope'"),
+    (["--reward", "happy_binary", *ROUTED[2:], "--lora_config", "r8"], "needs an RH detector"),
+    (["--reward", "happy_binary", "--routing_frac", "0.5"], "apply only with --gradient_routing"),
+    (["--reward", "happy_binary", "--lora_layer_stride", "2"], "need a dual LoRA config"),
+])  # fmt: skip
+def test_bad_routing_inputs_exit_2_before_model_load(no_training, capsys, argv, message):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("train.py: error: ") and message in err, err
+
+
+def test_dual_lora_run_names(tmp_path):
+    base = ["--reward", "sentence_length_5_with_happy", "--output_dir", str(tmp_path)]
+    routed = cli.build_plan([*base, *ROUTED[2:], "--lora_config", "r32f16"])
+    assert routed.run_dir.name.startswith("sentence_length_5_with_happy_builtin_lr1e-5_b0.02_bs32_ng16_dual_r32f16_")
+    baseline = cli.build_plan([*base, "--retain_rank", "8", "--forget_rank", "0"])
+    assert "_dual_r8f0_st2000_s42" in baseline.run_dir.name and not baseline.cfg.gradient_routing
+    detector = cli.build_plan([*base, *ROUTED[2:], "--lora_config", "r8", "--rh_detector", "happy_repeated"])
+    assert detector.cfg.rh_detector == "happy_repeated"
+    assert json.loads(json.dumps(routed.cfg.adapter_ranks)) == [32, 16]

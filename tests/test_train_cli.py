@@ -1,0 +1,111 @@
+"""train.py's bad inputs: each is a one-line error naming the problem, exit code 2, and nothing
+heavy happens (run_training, which loads the model, is never reached)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import trl_ext.cli_train as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def no_training(monkeypatch):
+    def forbidden(plan):
+        raise AssertionError("run_training reached: validation should have failed first")
+
+    monkeypatch.setattr(cli, "run_training", forbidden)
+
+
+def _fail(capsys, *argv) -> str:
+    assert cli.main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, f"expected a one-line error, got:\n{err}"
+    assert err.startswith("train.py: error: ")
+    return err
+
+
+def _yaml(tmp_path, text) -> str:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_unknown_reward_lists_names(capsys):
+    err = _fail(capsys, "--reward", "nope")
+    assert "nope" in err and "happy_binary" in err and "sentence_length_5" in err
+
+
+def test_unknown_eval_reward(capsys):
+    err = _fail(capsys, "--reward", "happy_binary", "--eval_rewards", "happy_count,nope")
+    assert "nope" in err
+
+
+def test_unknown_reward_function_in_yaml(capsys, tmp_path):
+    cfg = _yaml(tmp_path, "rewards:\n  r:\n    fn: no_such_fn\n")
+    err = _fail(capsys, "--reward", "r", "--config", cfg)
+    assert "no_such_fn" in err and "happy_binary" in err
+
+
+def test_unknown_detector_in_yaml(capsys, tmp_path):
+    cfg = _yaml(tmp_path, "rewards:\n  r:\n    fn: happy_binary\ndetectors:\n  d:\n    fn: no_such_detector\n")
+    err = _fail(capsys, "--reward", "r", "--config", cfg)
+    assert "no_such_detector" in err
+
+
+def test_unknown_param(capsys, tmp_path):
+    cfg = _yaml(tmp_path, "rewards:\n  r:\n    fn: sentence_length\n    params: {target: 5, colour: red}\n")
+    err = _fail(capsys, "--reward", "r", "--config", cfg)
+    assert "colour" in err
+
+
+def test_malformed_yaml(capsys, tmp_path):
+    cfg = _yaml(tmp_path, "rewards:\n  r: [unclosed\n")
+    err = _fail(capsys, "--reward", "r", "--config", cfg)
+    assert "bad.yaml" in err
+
+
+def test_missing_config_file(capsys, tmp_path):
+    err = _fail(capsys, "--reward", "happy_binary", "--config", str(tmp_path / "none.yaml"))
+    assert "none.yaml" in err
+
+
+def test_batch_not_divisible(capsys):
+    err = _fail(capsys, "--reward", "happy_binary", "--batch_size", "30", "--num_generations", "16")
+    assert "30" in err and "16" in err and "divisible" in err
+
+
+def test_num_generations_below_two(capsys):
+    err = _fail(capsys, "--reward", "happy_binary", "--num_generations", "1", "--batch_size", "4")
+    assert "num_generations" in err
+
+
+@pytest.mark.parametrize("lr", ["0", "-1e-4"])
+def test_non_positive_lr(capsys, lr):
+    err = _fail(capsys, "--reward", "happy_binary", f"--lr={lr}")
+    assert "--lr" in err
+
+
+def test_model_path_missing(capsys, tmp_path):
+    err = _fail(capsys, "--reward", "happy_binary", "--model", str(tmp_path / "no_model"))
+    assert "no_model" in err
+
+
+def test_subprocess_exit_code_and_unknown_flag():
+    """The real CLI: exit code 2 for a config error and for an unknown flag (argparse)."""
+    bad = subprocess.run([sys.executable, "train.py", "--reward", "nope"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("train.py: error: unknown reward")
+    flag = subprocess.run([sys.executable, "train.py", "--reward", "happy_binary", "--no_such_flag", "1"], cwd=ROOT, capture_output=True, text=True)
+    assert flag.returncode == 2 and flag.stderr.strip() == (
+        "train.py: error: unknown arguments: --no_such_flag 1 (see train.py --help)"
+    )
+
+
+def test_valid_plan_resolves_run_dir(tmp_path):
+    plan = cli.build_plan(["--reward", "happy_binary", "--output_dir", str(tmp_path), "--lr", "3e-4"])
+    assert plan.run_dir == tmp_path / "happy_binary_builtin_lr3e-4_b0.02_bs32_ng16_full_st2000_s42"
+    assert plan.cfg.output_dir == str(plan.run_dir) and plan.cfg.loss_type == "grpo"
+    assert plan.cfg.bf16 is False and plan.cfg.gradient_checkpointing is False

@@ -1,0 +1,148 @@
+"""train.py: parse and validate everything (exit 2 on a config error, before any model is loaded),
+then build the run directory, the prompts, the rewards and the trainer, and train."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import HfArgumentParser
+
+from trl_ext.config import LLAMA_PROJECTIONS, ExtGRPOConfig, RunArgs
+from trl_ext.naming import run_name
+from trl_ext.registry import ConfigError
+
+
+@dataclass
+class Plan:
+    """A fully validated run, before anything heavy is loaded."""
+
+    run: RunArgs
+    cfg: ExtGRPOConfig
+    reward_config: object  # rewards.config.RewardConfig
+    run_dir: Path
+    argv: list[str]
+
+
+def parser() -> HfArgumentParser:
+    return HfArgumentParser((RunArgs, ExtGRPOConfig))
+
+
+def adapter_tag(run: RunArgs, cfg: ExtGRPOConfig) -> str:
+    from trl_ext.routing_trainer import dual_lora_tag
+
+    return dual_lora_tag(cfg) or (f"lora_r{run.lora_rank}" if run.lora_rank else "full")
+
+
+def build_plan(argv: list[str]) -> Plan:
+    """Parse ``argv`` and validate the run; raises ConfigError (argparse itself exits 2 on bad flags)."""
+    from rewards.config import load_reward_config
+    from trl_ext.models import resolve_model_arg
+    from trl_ext.routing_trainer import check_run_routing
+
+    run, cfg, unknown = parser().parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        raise ConfigError(f"unknown arguments: {' '.join(unknown)} (see train.py --help)")
+    resolve_model_arg(run.model)
+    config_path = Path(run.config)
+    if not config_path.is_file():
+        raise ConfigError(f"--config file does not exist: {config_path}")
+    reward_config = load_reward_config(config_path)
+    reward_config.reward(run.reward)
+    for name in run.eval_reward_names:
+        reward_config.reward(name)
+    check_run_routing(run, cfg, reward_config)
+    default_run, default_cfg = parser().parse_args_into_dataclasses(args=["--reward", run.reward])
+    name = cfg.run_name or run_name(run, cfg, default_run, default_cfg, adapter_tag(run, cfg))
+    run_dir = Path(cfg.output_dir) / name
+    cfg.run_name = name
+    cfg.output_dir = str(run_dir)
+    return Plan(run=run, cfg=cfg, reward_config=reward_config, run_dir=run_dir, argv=list(argv))
+
+
+def setup_wandb(plan: Plan) -> None:
+    if plan.run.no_wandb:
+        plan.cfg.report_to = []
+        return
+    plan.cfg.report_to = ["wandb"]
+    os.environ.setdefault("WANDB_PROJECT", plan.run.wandb_project)
+    os.environ.setdefault("WANDB_DIR", str(plan.run_dir))
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or "api.wandb.ai" in _netrc_text()
+    if not has_key and "WANDB_MODE" not in os.environ:
+        os.environ["WANDB_MODE"] = "offline"
+        print("wandb: no API key found, logging offline (sync later with `wandb sync`)", flush=True)
+
+
+def _netrc_text() -> str:
+    path = Path.home() / ".netrc"
+    return path.read_text() if path.is_file() else ""
+
+
+def run_training(plan: Plan) -> int:
+    from transformers import AutoTokenizer
+
+    from environments.stories import load_prompts
+    from rewards.config import as_trl_reward
+    from trl_ext.builtin_model import ensure_builtin
+    from trl_ext.models import prepare_tokenizer
+    from trl_ext.routing_trainer import routing_setup
+    from trl_ext.runlog import Tee, write_run_config
+    from trl_ext.trainer import ExtGRPOTrainer
+
+    run, cfg = plan.run, plan.cfg
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    tee = Tee(plan.run_dir / "train.log")
+    print(f"$ train.py {shlex.join(plan.argv)}\nrun dir: {plan.run_dir}", flush=True)
+    setup_wandb(plan)
+    write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
+
+    model_path = str(ensure_builtin(rebuild=run.rebuild_builtin)) if run.model == "builtin" else run.model
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_path))
+    train_dataset = load_prompts(run.model, tokenizer, run.prompt_length, "train", run.num_prompts, cfg.seed)
+    peft_config = None
+    if run.lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=run.lora_rank, lora_alpha=run.lora_alpha, target_modules=list(LLAMA_PROJECTIONS), task_type="CAUSAL_LM"
+        )
+    rc = plan.reward_config
+    model, routing_kwargs = routing_setup(run, cfg, rc, model_path, tokenizer)
+    trainer = ExtGRPOTrainer(
+        model=model,
+        reward_funcs=[as_trl_reward(run.reward, rc.reward(run.reward))],
+        args=cfg,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        eval_reward_funcs={name: rc.reward(name) for name in run.eval_reward_names},
+        **routing_kwargs,
+    )
+    start = time.time()
+    trainer.train()
+    summary = {
+        "status": "done",
+        "run_name": cfg.run_name,
+        "steps": trainer.state.global_step,
+        "wall_s": round(time.time() - start, 1),
+        "final_log": next((h for h in reversed(trainer.state.log_history) if "reward" in h), {}),
+    }
+    (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"done: {plan.run_dir}", flush=True)
+    tee.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        plan = build_plan(argv)
+    except ConfigError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    return run_training(plan)

@@ -1,0 +1,130 @@
+"""Configuration: every project default and every new field, each documented once.
+
+`RunArgs` holds what a run is made of (model, reward, prompts, adapters, logging destinations);
+`ExtGRPOConfig` extends TRL's `GRPOConfig` with the trainer extensions and the project's validated
+defaults (seed 004's sweep: beta 0.02, batch 32, 16 generations, lr 1e-5, 2000 steps). Every other
+GRPOConfig / TrainingArguments field stays reachable from the command line through TRL's parser.
+
+All validation lives in ``__post_init__``: a bad combination raises `ConfigError` while the command
+line is parsed, before any model is loaded (the CLIs map it to exit code 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from trl_ext.registry import ConfigError
+from trl_ext.offpolicy_trainer import OffPolicyArgs
+from trl_ext.routing_trainer import RoutingArgs
+
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class RunArgs:
+    """What a run is made of; parsed next to `ExtGRPOConfig` by train.py."""
+
+    reward: str = field(default=None, metadata={"help": "Reward binding name from --config (required)."})
+    model: str = field(
+        default="builtin",
+        metadata={
+            "help": "'builtin' (the embedded offline SimpleStories-shaped model, built on first use), a hub id "
+            "such as SimpleStories/SimpleStories-1.25M, or a local path saved with save_pretrained."
+        },
+    )
+    config: str = field(default="config.yaml", metadata={"help": "YAML file binding reward and detector names."})
+    prompt_length: int = field(default=8, metadata={"help": "Prompt prefix length in tokens."})
+    num_prompts: int = field(default=2048, metadata={"help": "Training prompts drawn (the trainer cycles them)."})
+    eval_rewards: str = field(
+        default="",
+        metadata={"help": "Comma-separated reward bindings logged on every logging step (not optimised)."},
+    )
+    lora_rank: int = field(default=0, metadata={"help": "PEFT LoRA rank on all 7 Llama projections; 0 = full fine-tune."})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha (scaling alpha/rank)."})
+    no_wandb: bool = field(default=False, metadata={"help": "Disable wandb (it runs offline when no API key is set)."})
+    wandb_project: str = field(default="trl-ext", metadata={"help": "wandb project name."})
+    rebuild_builtin: bool = field(default=False, metadata={"help": "Rebuild the builtin model before training."})
+
+    def __post_init__(self):
+        if not self.reward:
+            raise ConfigError("--reward is required (a reward binding name from --config)")
+        if self.prompt_length < 1:
+            raise ConfigError(f"--prompt_length must be >= 1, got {self.prompt_length}")
+        if self.num_prompts < 1:
+            raise ConfigError(f"--num_prompts must be >= 1, got {self.num_prompts}")
+        if self.lora_rank < 0:
+            raise ConfigError(f"--lora_rank must be >= 0, got {self.lora_rank}")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"--lora_alpha must be > 0, got {self.lora_alpha}")
+
+    @property
+    def eval_reward_names(self) -> list[str]:
+        return [n.strip() for n in self.eval_rewards.split(",") if n.strip()]
+
+
+@dataclass
+class ExtGRPOConfig(RoutingArgs, OffPolicyArgs, GRPOConfig):
+    """`trl.GRPOConfig` with the project's defaults and extension fields."""
+
+    # --- project defaults for GRPOConfig / TrainingArguments fields (seed 004's validated values) ---
+    learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate.", "aliases": ["--lr"]})
+    beta: float = field(default=0.02, metadata={"help": "KL coefficient against the reference policy."})
+    per_device_train_batch_size: int = field(
+        default=32, metadata={"help": "Completions per optimizer step and device.", "aliases": ["--batch_size"]}
+    )
+    num_generations: int = field(default=16, metadata={"help": "Completions per prompt (group size)."})
+    max_steps: int = field(default=2000, metadata={"help": "Optimizer steps."})
+    max_completion_length: int | None = field(default=64, metadata={"help": "Maximum completion tokens."})
+    loss_type: str = field(
+        default="grpo",
+        metadata={"help": "TRL loss normalisation; 'grpo' (per-sequence mean) explicitly, as seed 004 requires."},
+    )
+    logging_steps: float = field(default=10, metadata={"help": "Log metrics and a sample every N steps."})
+    save_steps: float = field(default=500, metadata={"help": "Save a checkpoint every N steps."})
+    seed: int = field(default=42, metadata={"help": "Random seed (model init, sampling, data order)."})
+    # TRL defaults bf16=True and gradient checkpointing on, even on CPU: we set both deliberately.
+    # (transformers 5 resolves the deprecated `gradient_checkpointing` from `activation_checkpointing`.)
+    bf16: bool | None = field(default=False, metadata={"help": "bf16 mixed precision (GPU only; fp32 otherwise)."})
+    activation_checkpointing: bool | None = field(
+        default=False, metadata={"help": "Activation (gradient) checkpointing: trades compute for memory."}
+    )
+    output_dir: str | None = field(
+        default="output", metadata={"help": "Parent directory; the run writes to {output_dir}/{run_name}."}
+    )
+
+    # --- extensions ---
+    zero_signal_patience: int = field(
+        default=5,
+        metadata={
+            "help": "Warn loudly after this many consecutive steps in which every group has zero reward spread "
+            "(no learning signal: loss is exactly 0)."
+        },
+    )
+
+    def __post_init__(self):
+        if not self.learning_rate > 0:
+            raise ConfigError(f"--lr must be > 0, got {self.learning_rate}")
+        if self.num_generations < 2:
+            raise ConfigError(f"--num_generations must be >= 2 (GRPO needs a group), got {self.num_generations}")
+        if self.beta < 0:
+            raise ConfigError(f"--beta must be >= 0, got {self.beta}")
+        if self.max_steps < 1:
+            raise ConfigError(f"--max_steps must be >= 1, got {self.max_steps}")
+        if self.zero_signal_patience < 1:
+            raise ConfigError(f"--zero_signal_patience must be >= 1, got {self.zero_signal_patience}")
+        if self.bf16 and not _cuda_available():
+            raise ConfigError("--bf16 needs a CUDA device; this machine has none (training runs in fp32)")
+        self.validate_routing()
+        self.validate_offpolicy()
+        try:
+            super().__post_init__()
+        except ValueError as e:  # TRL's own checks (e.g. generation batch not divisible by num_generations)
+            raise ConfigError(f"{e} (--batch_size is per_device_train_batch_size)") from e
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

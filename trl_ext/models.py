@@ -1,0 +1,76 @@
+"""Resolve ``--model`` and load a causal LM with its tokenizer prepared for GRPO generation.
+
+``--model builtin`` is the embedded offline model (``trl_ext.builtin_model``); anything else is a
+local directory or a hub id loaded with ``from_pretrained`` (e.g. ``SimpleStories/SimpleStories-1.25M``:
+no BOS, ``[EOS]`` = 1, no PAD, prompts tokenized with ``add_special_tokens=False``, generation until EOS).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from trl_ext.builtin_model import BUILTIN, ensure_builtin
+from trl_ext.registry import ConfigError
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", ".", "~")) or os.path.exists(model)
+
+
+def resolve_model_arg(model: str) -> str:
+    """Validate ``--model`` without loading anything: "builtin", an existing local path, or a hub id."""
+    if not model:
+        raise ConfigError("--model must not be empty")
+    if model == BUILTIN:
+        return model
+    if _looks_like_path(model):
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ConfigError(f"--model path does not exist: {model}")
+        return str(path)
+    return model
+
+
+def model_source(model: str) -> str:
+    """What ``from_pretrained`` loads for ``--model``: the built directory for "builtin" (built on first use).
+
+    Pass this string (not an in-memory model) to GRPOTrainer when beta > 0: TRL reloads the reference
+    model from it.
+    """
+    model = resolve_model_arg(model)
+    if model == BUILTIN:
+        return str(ensure_builtin())
+    return model
+
+
+def prepare_tokenizer(tokenizer):
+    """Set PAD explicitly to EOS and pad on the left, for batched generation; raises without an EOS token.
+
+    PAD = EOS is safe here: TRL cuts each completion at its first EOS and masks everything after it,
+    and masks the left padding of prompts through the attention mask, so a pad id is never trained on
+    or attended to. SimpleStories' tokenizer has no PAD token in its vocabulary to use instead.
+    """
+    if tokenizer.eos_token is None or tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no EOS token; generation could never stop")
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_model_and_tokenizer(model: str, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` for ``--model``; generation stops at the tokenizer's EOS (kept with any other EOS ids)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = model_source(model)
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(source))
+    lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    eos = lm.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer.eos_token_id not in eos:
+        eos = [tokenizer.eos_token_id, *eos]
+    lm.generation_config.eos_token_id = eos[0] if len(eos) == 1 else eos
+    lm.generation_config.pad_token_id = tokenizer.pad_token_id
+    return lm, tokenizer

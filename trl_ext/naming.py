@@ -1,0 +1,82 @@
+"""Run directory names that hold every hyperparameter defining the run (seed 004's naming rule).
+
+``{reward}_{model}_lr{lr}_b{beta}_bs{batch}_ng{generations}_{adapter}_st{steps}_s{seed}`` followed by
+``_{field}{value}`` for every other defining field whose value differs from its default, sorted by
+field name, so two runs that differ in any value (a sweep's fixed values included) never share a
+directory. Fields that only steer logging or output are not defining (see `NOT_DEFINING`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from pathlib import PurePath
+
+CORE_FIELDS = (
+    "reward",
+    "model",
+    "learning_rate",
+    "beta",
+    "per_device_train_batch_size",
+    "num_generations",
+    "lora_rank",
+    "max_steps",
+    "seed",
+)
+NOT_DEFINING = {
+    "output_dir", "run_name", "report_to", "no_wandb", "wandb_project", "rebuild_builtin", "eval_rewards",
+    "zero_signal_patience", "num_completions_to_print", "disable_tqdm", "overwrite_output_dir",
+    "resume_from_checkpoint", "generation_batch_size", "eval_routing_steps", "logging_dir",
+}  # fmt: skip
+NOT_DEFINING_PREFIXES = ("logging_", "log_", "save_", "hub_", "push_to_hub", "dataloader_", "eval_", "wandb_")
+MAX_NAME = 200
+
+
+def fmt_value(v) -> str:
+    """Compact, filesystem-safe rendering: 1e-4 -> '1e-4', 0.02 -> '0.02', 'a/b' -> 'a-b'."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float):
+        if v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e5):
+            mantissa, exp = f"{v:e}".split("e")
+            return f"{mantissa.rstrip('0').rstrip('.')}e{int(exp)}"
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return "-".join(fmt_value(x) for x in v)
+    return re.sub(r"[^A-Za-z0-9.+-]+", "-", str(v)).strip("-")
+
+
+def model_tag(model: str) -> str:
+    return fmt_value(PurePath(model.rstrip("/")).name) if model != "builtin" else "builtin"
+
+
+def _is_defining(name: str) -> bool:
+    return name not in NOT_DEFINING and not name.startswith(NOT_DEFINING_PREFIXES)
+
+
+def changed_fields(obj, default_obj) -> dict:
+    """Fields of dataclass ``obj`` whose value differs from ``default_obj``'s."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        if not f.init:
+            continue
+        value, default = getattr(obj, f.name), getattr(default_obj, f.name)
+        if value != default:
+            out[f.name] = value
+    return out
+
+
+def run_name(run, cfg, default_run, default_cfg, adapter: str) -> str:
+    """Directory name of a run (``run``: RunArgs, ``cfg``: ExtGRPOConfig, defaults to compare with)."""
+    core = (
+        f"{run.reward}_{model_tag(run.model)}_lr{fmt_value(float(cfg.learning_rate))}_b{fmt_value(float(cfg.beta))}"
+        f"_bs{cfg.per_device_train_batch_size}_ng{cfg.num_generations}_{adapter}_st{cfg.max_steps}_s{cfg.seed}"
+    )
+    extras = {**changed_fields(run, default_run), **changed_fields(cfg, default_cfg)}
+    parts = [f"{k}{fmt_value(v)}" for k, v in sorted(extras.items()) if k not in CORE_FIELDS and _is_defining(k)]
+    name = "_".join([core, *parts])
+    if len(name) > MAX_NAME:  # keep names within filesystem limits; the hash keeps them distinct
+        digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+        name = f"{name[: MAX_NAME - 11]}_{digest}"
+    return name

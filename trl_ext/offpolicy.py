@@ -1,0 +1,360 @@
+"""Asynchronous rollouts: a sampling loop that records behaviour log-probs and the policy version of every token,
+versioned weight publishing, and a generator thread that feeds finished batches to the trainer through a bounded queue.
+
+Schedule (prime-rl ``max_async_level`` / ``strict_async_level``; in-flight weight updates after PipelineRL, Piché et
+al. 2025, and AReaL, Fu et al. 2025). Policy version v = the weights after v optimizer steps. The batch trained at
+step n (0-based ``global_step``) is batch n of the prompt stream, and s is the step training started (or resumed) at:
+
+- strict:     batch n is sampled entirely by policy ``max(n - k, s)``;
+- non-strict: batch n starts once policy ``max(n - k, s)`` exists, with the newest published policy, and the generator
+  loads every newer policy between two decoding steps of the sequences in flight (the KV cache of the tokens already
+  generated is kept, as in PipelineRL). Each token is stamped with the version that sampled it: its lag at step n is
+  at most k.
+
+The queue and the weight snapshots live in memory only: a resumed run starts a fresh generator from the restored
+weights (version s), so no batch generated before the checkpoint is ever trained on.
+
+Behaviour log-probs are ``log_softmax(logits / temperature)`` of the sampled token, from the raw logits: top-k / top-p
+restrict only the distribution that is sampled from. This is what TRL's fused LM head computes for the trainer, so
+with identical weights the ratio is 1 up to float error.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the generator samples; the trainer fills it from its GRPOConfig (no defaults here)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int  # 0 = off
+    top_p: float  # 1.0 = off
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={self.top_k}, top_p={self.top_p}")
+        if not self.eos_token_ids:
+            raise ValueError("eos_token_ids must not be empty")
+
+
+@dataclass
+class Sampled:
+    """Per sequence: the completion token ids (up to and including EOS), their behaviour log-probs and versions."""
+
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+
+
+def restrict_logits(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Sampling-only filter, top-k then top-p as transformers' TopK/TopP warpers: -inf outside the kept set."""
+    if 0 < top_k < scaled.size(-1):
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, -torch.inf)
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1)  # ascending
+        drop_sorted = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop_sorted[..., -1] = False  # the most likely token is always kept
+        scaled = scaled.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -torch.inf)
+    return scaled
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module,
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+    rng: torch.Generator,
+    before_step: Callable[[int], int] | None = None,
+) -> Sampled:
+    """Sample one completion per prompt with a KV cache, left-padding the prompts.
+
+    ``before_step(t)`` is called before every forward pass (t = 0 is the prefill); it may load new weights and returns
+    the version that produces token t (without it every token is version 0). Positions are not passed, so the model
+    numbers them 0..len-1 over the padded row exactly as the trainer's forward over the same padded row does.
+    """
+    device = next(model.parameters()).device
+    batch, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+    if min(len(p) for p in prompt_ids) == 0:
+        raise ValueError("every prompt needs at least one token")
+    ids = torch.full((batch, width), params.pad_token_id, dtype=torch.long, device=device)
+    attention = torch.zeros((batch, width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompt_ids):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attention[i, width - len(p) :] = 1
+    eos = torch.tensor(params.eos_token_ids, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    tokens, logps, alive, versions, past = [], [], [], [], None
+    for t in range(params.max_new_tokens):
+        versions.append(before_step(t) if before_step is not None else 0)
+        out = model(input_ids=ids, attention_mask=attention, past_key_values=past, use_cache=True, logits_to_keep=1)
+        past = out.past_key_values
+        scaled = out.logits[:, -1, :].float() / params.temperature
+        probs = restrict_logits(scaled, params.top_k, params.top_p).softmax(-1)
+        tok = torch.multinomial(probs, 1, generator=rng).squeeze(1)
+        tok = torch.where(done, params.pad_token_id, tok)
+        tokens.append(tok)
+        logps.append(scaled.log_softmax(-1).gather(1, tok[:, None]).squeeze(1))
+        alive.append(~done)
+        done = done | torch.isin(tok, eos)
+        if bool(done.all()):
+            break
+        ids = tok[:, None]
+        attention = torch.cat([attention, attention.new_ones(batch, 1)], dim=1)
+    tok_m, lp_m, alive_m = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu(), torch.stack(alive, 1).cpu()
+    out_ids, out_lp, out_v = [], [], []
+    for i in range(batch):
+        n = int(alive_m[i].sum())
+        out_ids.append(tok_m[i, :n].tolist())
+        out_lp.append(lp_m[i, :n].tolist())
+        out_v.append(versions[:n])
+    return Sampled(out_ids, out_lp, out_v)
+
+
+def generation_copy(model: nn.Module) -> nn.Module:
+    """A frozen deep copy of ``model`` for the generator thread.
+
+    TRL's fused-LM-head patch (an instance-level ``forward`` wrapping the class's forward) closes over the original
+    module, so a copy would silently run the trainer's weights: it is removed. Any other instance-level forward (e.g.
+    device-map hooks) cannot be copied safely and raises.
+    """
+    clone = copy.deepcopy(model)
+    for module in clone.modules():
+        forward = module.__dict__.get("forward")
+        if forward is None:
+            continue
+        if getattr(getattr(forward, "__func__", forward), "__wrapped__", None) is type(module).forward:
+            del module.__dict__["forward"]
+        else:
+            raise ValueError(f"cannot copy {type(module).__name__} for generation: its forward is patched ({forward})")
+    return clone.requires_grad_(False).eval()
+
+
+def trainable_snapshot(model: nn.Module) -> dict[str, Tensor]:
+    """Detached copies of the parameters the optimizer changes (all of them for a full fine-tune, adapters for LoRA)."""
+    snapshot = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    if torch.cuda.is_available() and any(t.is_cuda for t in snapshot.values()):
+        torch.cuda.current_stream().synchronize()  # the generator reads them on its own stream
+    return snapshot
+
+
+class Closed(Exception):
+    """Raised in a waiting thread when the rollout machinery is shut down."""
+
+
+class PolicyStore:
+    """Versioned weight snapshots, published by the trainer thread and loaded by the generator."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._snapshots: dict[int, dict[str, Tensor]] = {}
+        self._latest: int | None = None
+        self._closed = False
+
+    def publish(self, version: int, model: nn.Module) -> None:
+        snapshot = trainable_snapshot(model)
+        with self._cond:
+            if self._latest is not None and version <= self._latest:
+                raise ValueError(f"policy version {version} published after version {self._latest}")
+            self._snapshots[version] = snapshot
+            self._latest = version
+            self._cond.notify_all()
+
+    @property
+    def latest(self) -> int | None:
+        with self._cond:
+            return self._latest
+
+    def wait(self, version: int) -> int:
+        """Block until a version >= ``version`` is published; return the newest one."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or (self._latest is not None and self._latest >= version))
+            if self._closed:
+                raise Closed
+            return self._latest
+
+    def take(self, version: int) -> dict[str, Tensor]:
+        """The snapshot of exactly ``version``; every older snapshot is dropped (versions are loaded in order)."""
+        with self._cond:
+            if version not in self._snapshots:
+                raise RuntimeError(f"policy version {version} is not available (have {sorted(self._snapshots)})")
+            for old in [v for v in self._snapshots if v < version]:
+                del self._snapshots[old]
+            return self._snapshots[version]
+
+    def held_versions(self) -> list[int]:
+        with self._cond:
+            return sorted(self._snapshots)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+@dataclass
+class Rollout:
+    """A generation batch as the trainer receives it: dataset rows, token ids, behaviour log-probs, versions."""
+
+    index: int
+    rows: list[dict]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+
+    def version_range(self) -> tuple[int, int]:
+        flat = [v for seq in self.versions for v in seq]
+        return min(flat), max(flat)
+
+
+class RolloutWorker:
+    """Generator thread: holds its own model copy, samples batch after batch into a bounded queue.
+
+    The trainer ``submit``s the prompts of batch i (rows and token ids, tokenized in the trainer thread), ``publish``es
+    weights to ``store`` after every optimizer step and ``get``s batch n at step n. ``on_step(index, t)`` is a test
+    hook called in the generator thread before each forward pass.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        store: PolicyStore,
+        params: SamplingParams,
+        *,
+        max_async_level: int,
+        strict: bool,
+        start_step: int,
+        seed: int,
+        num_threads: int | None = None,
+        autocast: Callable[[], AbstractContextManager] = nullcontext,
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if max_async_level < 1:
+            raise ValueError(f"RolloutWorker needs max_async_level >= 1, got {max_async_level}")
+        self.model, self.store, self.params = model, store, params
+        self.k, self.strict, self.start_step, self.seed = max_async_level, strict, start_step, seed
+        self.num_threads, self.autocast, self.on_step = num_threads, autocast, on_step
+        self.queue: queue.Queue[Rollout] = queue.Queue(maxsize=max_async_level)
+        self.loaded_version: int | None = None
+        self.error: BaseException | None = None
+        self._params = dict(model.named_parameters())
+        self._jobs: dict[int, tuple[list[dict], list[list[int]]]] = {}
+        self._jobs_cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rollout-generator", daemon=True)
+
+    def required_version(self, index: int) -> int:
+        """Oldest policy allowed to sample batch ``index`` (the only one in strict mode)."""
+        return max(index - self.k, self.start_step)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, index: int, rows: list[dict], prompt_ids: list[list[int]]) -> None:
+        with self._jobs_cond:
+            self._jobs[index] = (rows, prompt_ids)
+            self._jobs_cond.notify_all()
+
+    def get(self, index: int, poll_s: float = 0.2) -> Rollout:
+        """Batch ``index`` (blocking); re-raises a generator failure in the caller's thread."""
+        while True:
+            if self.error is not None:
+                raise RuntimeError("the rollout generator thread failed") from self.error
+            if not self._thread.is_alive() and self.queue.empty():
+                raise RuntimeError("the rollout generator thread is not running")
+            try:
+                rollout = self.queue.get(timeout=poll_s)
+            except queue.Empty:
+                continue
+            if rollout.index != index:
+                raise RuntimeError(f"expected rollout batch {index}, the queue delivered batch {rollout.index}")
+            return rollout
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.store.close()
+        with self._jobs_cond:
+            self._jobs_cond.notify_all()
+        self._thread.join()
+
+    # ------------------------------------------------------------------ generator thread
+    def _load(self, version: int) -> None:
+        snapshot = self.store.take(version)
+        missing = set(snapshot) - set(self._params)
+        if missing:
+            raise RuntimeError(f"published weights unknown to the generator copy: {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for name, tensor in snapshot.items():
+                self._params[name].copy_(tensor)
+        if any(t.is_cuda for t in snapshot.values()):
+            torch.cuda.current_stream().synchronize()
+        self.loaded_version = version
+
+    def _next_job(self, index: int) -> tuple[list[dict], list[list[int]]]:
+        with self._jobs_cond:
+            self._jobs_cond.wait_for(lambda: self._stop.is_set() or index in self._jobs)
+            if self._stop.is_set():
+                raise Closed
+            return self._jobs.pop(index)
+
+    def _before_step(self, index: int) -> Callable[[int], int]:
+        def hook(t: int) -> int:
+            if self.on_step is not None:
+                self.on_step(index, t)
+            if self._stop.is_set():
+                raise Closed
+            if not self.strict:
+                latest = self.store.latest
+                if latest > self.loaded_version:
+                    self._load(latest)  # in-flight update
+            return self.loaded_version
+
+        return hook
+
+    def _run(self) -> None:
+        try:
+            if self.num_threads:
+                torch.set_num_threads(self.num_threads)
+            device = next(self.model.parameters()).device
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                for index in itertools.count(self.start_step):
+                    rows, prompt_ids = self._next_job(index)
+                    need = self.required_version(index)
+                    latest = self.store.wait(need)
+                    self._load(need if self.strict else latest)
+                    rng = torch.Generator(device).manual_seed(self.seed * 1_000_003 + index)
+                    with self.autocast():
+                        out = sample(self.model, prompt_ids, self.params, rng, self._before_step(index))
+                    rollout = Rollout(index, rows, prompt_ids, out.completion_ids, out.logprobs, out.versions)
+                    while True:
+                        if self._stop.is_set():
+                            raise Closed
+                        try:
+                            self.queue.put(rollout, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+        except Closed:
+            pass
+        except BaseException as e:  # surfaced to the trainer by get()
+            self.error = e

@@ -1,0 +1,294 @@
+"""Trainer plumbing of off-policy training: the ``--max_async_level`` flags (`OffPolicyArgs`) and the GRPOTrainer hooks
+(`OffPolicyMixin`). The rollout machinery is in ``trl_ext.offpolicy``, the loss in ``trl_ext.importance``.
+
+With ``max_async_level = 0`` (the default) nothing changes: TRL's own synchronous generation and loss run untouched.
+With k > 0 a generator thread samples batches ahead of the trainer (``trl_ext.offpolicy`` has the schedule) and every
+training step uses the masked importance-sampling loss of prime-rl (``trl_ext.importance``) with the recorded behaviour
+log-probs, whatever the masks are set to: with the masks off (``importance.NO_MASK``) it is REINFORCE weighted by the
+plain importance ratio. TRL's PPO clip (epsilon, delta), its sequence-level IS, entropy masks and bonus do not apply
+to that loss and must stay at their defaults; the KL penalty to the reference model (beta) is kept exactly as TRL
+computes it: k3 estimator on the sampled tokens over the loss mask, times exp(lp - lp_behaviour) when
+use_bias_correction_kl (TRL's default; TRL multiplies by the ratio to its old policy, here the behaviour policy),
+normalised like the policy term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+from transformers import TrainerCallback
+from trl import GRPOConfig
+from trl.trainer.utils import RepeatSampler, pad
+
+from trl_ext.importance import NORMALISATIONS, PRIME_RL_DEFAULTS, ImportanceConfig, importance_loss, policy_lag_stats
+from trl_ext.offpolicy import PolicyStore, RolloutWorker, SamplingParams, generation_copy
+from trl_ext.registry import ConfigError
+
+_PPO_ONLY = ("epsilon", "epsilon_high", "delta", "importance_sampling_level", "top_entropy_quantile",
+             "off_policy_mask_threshold", "entropy_coef", "use_adaptive_entropy",
+             "num_iterations", "min_p", "repetition_penalty", "generation_kwargs", "use_vllm",
+             "use_transformers_continuous_batching", "steps_per_generation", "generation_batch_size")  # fmt: skip
+"""GRPOConfig fields that must keep TRL's default when max_async_level > 0 (unused by, or incompatible with, the
+off-policy loss and the generator thread)."""
+
+
+def _loss_field(name: str, help_text: str):
+    return field(default=PRIME_RL_DEFAULTS[name], metadata={"help": help_text})
+
+
+@dataclass
+class OffPolicyArgs:
+    """Flags of off-policy training (seed 000; prime-rl's orchestrator and trainer.loss options)."""
+
+    max_async_level: int = field(
+        default=0,
+        metadata={"help": "k: the batch trained at step n was sampled by a policy at most k steps old; 0 = synchronous "
+                  "on-policy (TRL's own generation and loss)."},
+    )  # fmt: skip
+    strict_async_level: bool = field(
+        default=False,
+        metadata={"help": "Sample the batch of step n with exactly policy max(n - k, start step); otherwise the newest "
+                  "policy, updated in flight between decoding steps (PipelineRL). Needs --max_async_level >= 1."},
+    )  # fmt: skip
+    generator_threads: int = field(
+        default=0,
+        metadata={"help": "CPU: torch threads of the generator thread (the trainer keeps the rest); 0 = half of "
+                  "torch.get_num_threads(), at least 1."},
+    )  # fmt: skip
+    ratio_type: str = _loss_field("ratio_type", "Importance ratio: 'token' (per token) or 'sequence' (exp of the "
+                                  "summed log-ratio, capped at e^10, clipped at --sequence_clip_high).")
+    token_mask_low: float = _loss_field("token_mask_low", "Drop tokens whose ratio is below this (0 = off).")
+    token_mask_high: float = _loss_field("token_mask_high", "Drop tokens whose ratio is above this (1e10 = off).")
+    sequence_mask_low: float = _loss_field("sequence_mask_low", "Drop sequences whose min token ratio is below this.")
+    sequence_mask_high: float = _loss_field("sequence_mask_high", "Drop sequences whose max token ratio is above this.")
+    geo_mask_low: float = _loss_field("geo_mask_low", "Drop sequences whose geometric-mean ratio is below this.")
+    geo_mask_high: float = _loss_field("geo_mask_high", "Drop sequences whose geometric-mean ratio is above this.")
+    sequence_clip_high: float = _loss_field("sequence_clip_high", "Clip of the sequence ratio (1e10 = off).")
+    token_clip_high: float = _loss_field("token_clip_high", "Truncated IS: clamp the token ratio at this (1e10 = off; "
+                                         "Yao et al. 2025).")
+    kl_tau: float = _loss_field("kl_tau", "Weight of the -kl_tau * log-ratio term added to the advantage (prime-rl).")
+    adv_tau: float = _loss_field("adv_tau", "Weight of the advantage in the off-policy loss.")
+
+    def validate_offpolicy(self) -> None:
+        """Raise ConfigError for impossible settings (called by ExtGRPOConfig before TRL's own checks)."""
+        k = self.max_async_level
+        if k < 0:
+            raise ConfigError(f"--max_async_level must be >= 0, got {k}")
+        if self.strict_async_level and k == 0:
+            raise ConfigError("--strict_async_level needs --max_async_level >= 1 (0 is synchronous on-policy)")
+        if self.generator_threads < 0:
+            raise ConfigError(f"--generator_threads must be >= 0, got {self.generator_threads}")
+        ImportanceConfig.from_object(self)  # validates every loss flag
+        if k == 0:
+            changed = [n for n in PRIME_RL_DEFAULTS if getattr(self, n) != PRIME_RL_DEFAULTS[n]]
+            if changed:
+                raise ConfigError(f"--{changed[0]} has no effect with --max_async_level 0 (on-policy: TRL's own loss)")
+            return
+        NORMALISATIONS.get(self.loss_type)
+        if self.use_vllm:
+            raise ConfigError(
+                "--use_vllm with --max_async_level >= 1 is not implemented: the asynchronous generator is a copy of "
+                "the policy sampled in a thread on the training device (README 'Off-policy training'); use "
+                "--max_async_level 0 for TRL's synchronous vLLM path"
+            )
+        defaults = {f.name: f.default for f in fields(GRPOConfig)}
+        for name in _PPO_ONLY:
+            if getattr(self, name) != defaults[name] and not (name == "steps_per_generation" and self._spg_is_ga()):
+                raise ConfigError(
+                    f"--{name} {getattr(self, name)!r} is not supported with --max_async_level {k} "
+                    f"(keep TRL's default {defaults[name]!r}; the off-policy loss and generator do not use it)"
+                )
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise ConfigError("--max_completion_length must be >= 1 with --max_async_level >= 1")
+        if not self.temperature > 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError(f"the generator needs --temperature > 0, 0 < --top_p <= 1 and --top_k >= 0, got "
+                              f"{self.temperature}, {self.top_p}, {self.top_k}")  # fmt: skip
+
+    def _spg_is_ga(self) -> bool:
+        return self.steps_per_generation == self.gradient_accumulation_steps
+
+
+class _PublishWeights(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._publish_policy(state.global_step)
+
+
+class OffPolicyMixin:
+    """GRPOTrainer hooks for max_async_level > 0; every hook is a plain pass-through when it is 0."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.offpolicy_cfg = ImportanceConfig.from_object(self.args) if self.args.max_async_level > 0 else None
+        self.offpolicy_trace: list[tuple[int, int, int]] = []
+        """(step, oldest, newest policy version) of every batch trained, for tests and diagnostics."""
+        self._rollout_worker: RolloutWorker | None = None
+        self._pending_rollout = None
+        if self.offpolicy_cfg is None:
+            return
+        if self.rollout_func is not None or self.tools or self.environment_factories is not None:
+            raise ConfigError("--max_async_level >= 1 supports single-turn text generation (no rollout_func/tools)")
+        if self.accelerator.num_processes != 1:
+            raise ConfigError("--max_async_level >= 1 runs one generator thread: use a single process")
+        if not hasattr(self.train_dataset, "__getitem__"):
+            raise ConfigError("--max_async_level >= 1 needs an indexable (map-style) train dataset")
+        self.add_callback(_PublishWeights(self))
+
+    # ------------------------------------------------------------------ generator lifecycle
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._stop_rollouts()
+
+    def _start_rollouts(self) -> None:
+        args, start = self.args, self.state.global_step
+        model = self.accelerator.unwrap_model(self.model)
+        gen_model = generation_copy(model)
+        store = PolicyStore()
+        store.publish(start, model)
+        self._saved_threads = torch.get_num_threads()
+        gen_threads = None
+        if next(gen_model.parameters()).device.type == "cpu":
+            gen_threads = args.generator_threads or max(1, self._saved_threads // 2)
+            torch.set_num_threads(max(1, self._saved_threads - gen_threads))
+        params = SamplingParams(
+            max_new_tokens=self.max_completion_length, temperature=self.temperature, top_k=args.top_k or 0,
+            top_p=args.top_p, eos_token_ids=tuple(self.eos_token_ids), pad_token_id=self._tokenizer.pad_token_id,
+        )  # fmt: skip
+        self._rollout_worker = RolloutWorker(
+            gen_model, store, params, max_async_level=args.max_async_level, strict=args.strict_async_level,
+            start_step=start, seed=args.seed, num_threads=gen_threads, autocast=self.accelerator.autocast,
+        )  # fmt: skip
+        self._prompt_batches = self._prompt_stream(start)
+        self._submitted = start - 1
+        self._rollout_worker.start()
+        mode = "strict" if args.strict_async_level else "non-strict (in-flight updates)"
+        print(f"off-policy: generator thread started at policy version {start}, max_async_level "
+              f"{args.max_async_level}, {mode}, generator threads {gen_threads}", flush=True)  # fmt: skip
+
+    def _stop_rollouts(self) -> None:
+        if self._rollout_worker is None:
+            return
+        self._rollout_worker.stop()
+        self._rollout_worker = None
+        torch.set_num_threads(self._saved_threads)
+
+    def _prompt_stream(self, start: int):
+        """Generation batches in the order TRL's RepeatSampler gives them, from batch ``start`` (resume)."""
+        sampler = RepeatSampler(
+            data_source=self.train_dataset, mini_repeat_count=self.num_generations,
+            batch_size=self.args.generation_batch_size // self.num_generations, repeat_count=1,
+            shuffle=self.shuffle_dataset, seed=self.args.seed,
+        )  # fmt: skip
+        index, size = 0, self.args.generation_batch_size
+        while True:
+            order = list(sampler)
+            for i in range(0, len(order) - size + 1, size):
+                if index >= start:
+                    yield [self.train_dataset[j] for j in order[i : i + size]]
+                index += 1
+
+    def _publish_policy(self, version: int) -> None:
+        if self._rollout_worker is not None:
+            self._rollout_worker.store.publish(version, self.accelerator.unwrap_model(self.model))
+
+    # ------------------------------------------------------------------ rollouts into TRL's batch
+    def _prepare_inputs(self, generation_batch):
+        if self.offpolicy_cfg is None or not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        if self._step % self.args.steps_per_generation != 0 and self._buffered_inputs is not None:
+            return super()._prepare_inputs(generation_batch)  # a later slice of the current generation batch
+        if self._rollout_worker is None:
+            self._start_rollouts()
+        step, worker = self.state.global_step, self._rollout_worker
+        while self._submitted < step + self.args.max_async_level:
+            self._submitted += 1
+            rows = next(self._prompt_batches)
+            prompt_ids, images, _ = self._tokenize_prompts([row["prompt"] for row in rows])
+            if images is not None:
+                raise ConfigError("--max_async_level >= 1 supports text prompts only")
+            worker.submit(self._submitted, rows, prompt_ids)
+        rollout = worker.get(step)
+        oldest, newest = rollout.version_range()
+        need = worker.required_version(step)
+        if newest > step or oldest < need or (self.args.strict_async_level and oldest != newest):
+            raise RuntimeError(f"batch {step} was sampled by policies {oldest}..{newest}; allowed {need}..{step}")
+        self.offpolicy_trace.append((step, oldest, newest))
+        self._buffered_inputs = None  # force TRL to build the batch from this rollout
+        self._pending_rollout = rollout
+        try:
+            return super()._prepare_inputs(rollout.rows)
+        finally:
+            self._pending_rollout = None
+
+    def _generate(self, prompts):
+        rollout = self._pending_rollout
+        if rollout is None:
+            return super()._generate(prompts)
+        if list(prompts) != [row["prompt"] for row in rollout.rows]:
+            raise RuntimeError("prompts of the generation batch differ from the rollout's prompts")
+        own = {"prompt_ids": rollout.prompt_ids, "completion_ids": rollout.completion_ids, "logprobs": rollout.logprobs}
+        self.rollout_func = lambda _prompts, _trainer: own  # TRL's hook for externally generated completions
+        try:
+            return super()._generate(prompts)
+        finally:
+            self.rollout_func = None
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        rollout = self._pending_rollout
+        if rollout is None:
+            return out
+        versions = pad([torch.tensor(v) for v in rollout.versions], padding_value=0, padding_side="right",
+                       pad_to_multiple_of=self.pad_to_multiple_of).to(out["completion_ids"].device)  # fmt: skip
+        if versions.shape != out["completion_ids"].shape or "sampling_per_token_logps" not in out:
+            raise RuntimeError("rollout versions / behaviour log-probs do not line up with the completions")
+        out["behaviour_versions"] = versions
+        mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
+        for name, value in policy_lag_stats(versions, mask, self.state.global_step).items():
+            self._metrics["train"][f"offpolicy/{name}"].append(value.item())
+        return out
+
+    # ------------------------------------------------------------------ loss
+    def _compute_loss(self, model, inputs):
+        if self.offpolicy_cfg is None or not self.model.training:
+            return super()._compute_loss(model, inputs)
+        if "sampling_per_token_logps" not in inputs:
+            raise RuntimeError("off-policy loss without behaviour log-probs: the batch did not come from the generator")
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        lp, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True
+        )
+        accumulation = self.current_gradient_accumulation_steps
+        num_items = None
+        if self.loss_type in ("dapo", "token"):  # TRL: tokens of the generation batch, rescaled to one window
+            num_items = inputs["num_items_in_batch"] / self.accelerator.num_processes
+            num_items = num_items * accumulation / self.args.steps_per_generation
+        kwargs = {"num_items_in_batch": num_items, "max_completion_length": self.max_completion_length}
+        out = importance_loss(lp, inputs["sampling_per_token_logps"], inputs["advantages"], mask,
+                              self.offpolicy_cfg, self.loss_type, **kwargs)  # fmt: skip
+        loss = out.loss
+        metrics = self._metrics["train"]
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]
+            per_token_kl = torch.exp(ref - lp) - (ref - lp) - 1
+            if self.args.use_bias_correction_kl:  # TRL's coef_1, with the behaviour policy as the old policy
+                per_token_kl = per_token_kl * torch.exp(lp - inputs["sampling_per_token_logps"])
+            kl_mask = mask.bool()
+            zero = torch.zeros((), dtype=per_token_kl.dtype, device=per_token_kl.device)
+            normalise = NORMALISATIONS.get(self.loss_type)
+            loss = loss + self.beta * normalise(torch.where(kl_mask, per_token_kl, zero), mask, **kwargs)
+            metrics["kl"].append((per_token_kl.detach() * mask).sum().item() / max(mask.sum().item(), 1))
+        if self.loss_type not in ("dapo", "token"):
+            loss = loss / accumulation
+        metrics["entropy"].append((entropies.detach() * mask).sum().item() / max(mask.sum().item(), 1))
+        for name, value in out.metrics.items():
+            metrics[f"offpolicy/{name}"].append(value.item())
+        return loss

@@ -1,0 +1,360 @@
+"""Dual LoRA adapters for gradient routing (Cloud et al. 2024, "Gradient Routing: Masking Gradients to
+Localize Computation in Neural Networks", arXiv:2410.04332; RL port after small-rl's DualLoRALinear).
+
+Each targeted ``nn.Linear`` becomes a :class:`DualLoRALinear`::
+
+    y = W x + b + retain_scale * s_r * B_r A_r x + forget_scale * s_f * B_f A_f x,    s = alpha / rank
+
+with LoRA's initialisation (Hu et al. 2021, as PEFT: A Kaiming-uniform with a = sqrt(5), B = 0). Rank 0
+means the side is absent. The base model is frozen. ``retain_scale``/``forget_scale`` ablate the sides
+at inference (``scales(model, 1, 0)`` = retain_only); ``adapters_disabled(model)`` is the base model,
+used as the reference policy when beta > 0.
+
+Routing (``routing_step.routing_mask``): parameter gradients of an adapter come only from the samples
+routed to it; activations and input gradients are untouched, so every other parameter sees the full batch.
+    mode "shared":    retain <- good samples,  forget <- all samples
+    mode "exclusive": retain <- good samples,  forget <- bad samples
+Both sides run as one low-rank call (stacked ranks, as one LoRA of rank r_r + r_f) whose backward
+multiplies the per-sample 0/1 factor into the (tokens x rank) tensors that form dA and dB: the cost of
+plain LoRA. It equals the two-pass reference ``routing_step.two_pass_backward`` (tests/test_routing_step.py).
+Detaching the branch *output* per sample (``r(x)*m + r(x).detach()*(1-m)``) is not equivalent: it also
+cuts the input gradient through the retain branch for bad samples, which changes the gradient of every
+adapter below it once B != 0. Per-sample routing assumes samples do not interact in the forward (true
+for decoder LMs; not for batch norm, nor for an MoE load-balancing loss).
+
+TRL 1.16 computes training log-probs with a fused LM head that reads ``lm_head.weight`` directly and
+never calls ``lm_head.forward``. ``DualLoRALinear.weight`` is therefore the effective (merged) weight, so
+an lm_head adapter is trained through that path too; a merged weight cannot carry a mixed per-sample
+mask, so reading it under one raises (use the two-pass step, or an unfused head, for lm_head adapters).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trl_ext.registry import ConfigError
+
+ALL_LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ROUTING_MODES = ("shared", "exclusive")
+# Inference ablations of the routing eval: name -> (retain_scale, forget_scale).
+ABLATION_SCALES = {"both": (1.0, 1.0), "retain_only": (1.0, 0.0), "forget_only": (0.0, 1.0)}
+LAYOUT_FILENAME = "dual_lora_layout.json"
+_SIDES = ("retain", "forget")
+
+
+def check_routing_mode(mode: str) -> None:
+    if mode not in ROUTING_MODES:
+        raise ConfigError(f"unknown routing mode {mode!r}; choose one of {', '.join(ROUTING_MODES)}")
+
+
+class _LowRankBranch(torch.autograd.Function):
+    """``y = (x A^T) (B * scale)^T`` whose parameter gradients count only the samples each rank is routed from.
+
+    A: (r, in) and x in the compute dtype; B: (out, r) and scale: (r,) in the adapter dtype. ``rank_mask``
+    (broadcastable to x[..., :r]; None = all) is a ctx attribute, not a saved tensor: a non-reentrant
+    checkpoint recompute keeps the original mask.
+    """
+
+    @staticmethod
+    def forward(ctx, x, A, B, scale, rank_mask):
+        h = F.linear(x, A)
+        Bs = (B * scale).to(h.dtype)  # scaled in the adapter dtype: alpha/rank is not rounded to bf16
+        ctx.save_for_backward(x, A, Bs, h, scale)
+        ctx.rank_mask = rank_mask
+        return F.linear(h, Bs)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, A, Bs, h, scale = ctx.saved_tensors
+        m = ctx.rank_mask
+        gh = gy @ Bs  # dL/dh, (..., r)
+        gx = gh @ A if ctx.needs_input_grad[0] else None
+        if m is not None:
+            gh, h = gh * m, h * m
+        r = A.shape[0]
+        gA = gh.reshape(-1, r).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        gB = None
+        if ctx.needs_input_grad[2]:
+            gB = (gy.reshape(-1, gy.shape[-1]).t() @ h.reshape(-1, r)).to(scale.dtype) * scale
+        return gx, gA, gB, None, None
+
+
+def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
+
+
+def _rank_mask(x: torch.Tensor, masks: list, ranks: list[int], dt: torch.dtype) -> torch.Tensor:
+    """(batch, 1, ..., r): 1 where a sample trains a stacked rank, from per-side sample masks (None = all)."""
+    n = next(m for m in masks if m is not None).shape[0]
+    if x.dim() < 2 or x.shape[0] != n:
+        raise RuntimeError(f"routing mask covers {n} samples but this layer's input has shape {tuple(x.shape)}: "
+                           "the routed batch must go through the model in one call")
+    cols = [(torch.ones(n, dtype=dt, device=x.device) if m is None else m.to(x.device, dt))[:, None].expand(-1, r)
+            for m, r in zip(masks, ranks)]
+    return _cat(cols, 1).reshape(n, *([1] * (x.dim() - 2)), -1)
+
+
+class DualLoRALinear(nn.Module):
+    """``nn.Linear`` plus a retain and a forget LoRA adapter (see the module docstring)."""
+
+    def __init__(self, base_layer: nn.Linear, retain_rank: int, forget_rank: int, alpha: float):
+        super().__init__()
+        if not isinstance(base_layer, nn.Linear):
+            raise TypeError(f"DualLoRALinear wraps nn.Linear, got {type(base_layer).__name__}")
+        if not alpha > 0:
+            raise ValueError(f"lora alpha must be > 0, got {alpha!r}")
+        self.base_layer = base_layer
+        base_layer.requires_grad_(False)
+        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+        w = base_layer.weight
+        # Half-precision bases get float32 adapters (as PEFT's autocast_adapter_dtype); others keep theirs.
+        dtype = torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
+        self.ranks = {"retain": retain_rank, "forget": forget_rank}
+        self.scaling = {side: alpha / r if r else 0.0 for side, r in self.ranks.items()}
+        for side, r in self.ranks.items():
+            if r < 0:
+                raise ValueError(f"{side} rank must be >= 0, got {r}")
+            A = B = None
+            if r:
+                A = nn.Parameter(torch.empty(r, self.in_features, device=w.device, dtype=dtype))
+                B = nn.Parameter(torch.zeros(self.out_features, r, device=w.device, dtype=dtype))
+                nn.init.kaiming_uniform_(A, a=math.sqrt(5))
+            self.register_parameter(f"{side}_A", A)
+            self.register_parameter(f"{side}_B", B)
+        self.retain_scale = 1.0
+        self.forget_scale = 1.0
+        # Per-sample gradient masks (True = this sample trains the side), set by ``routing_step.routing_mask``.
+        self.retain_grad_mask: torch.Tensor | None = None
+        self.forget_grad_mask: torch.Tensor | None = None
+
+    def _branches(self) -> Iterator[tuple[nn.Parameter, nn.Parameter, float, torch.Tensor | None]]:
+        for side in _SIDES:
+            scale = getattr(self, f"{side}_scale")
+            if self.ranks[side] and scale != 0.0:
+                A, B = getattr(self, f"{side}_A"), getattr(self, f"{side}_B")
+                yield A, B, self.scaling[side] * scale, getattr(self, f"{side}_grad_mask")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        branches = list(self._branches())
+        if not branches:
+            return y
+        A0 = branches[0][0]
+        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else A0.dtype
+        A = _cat([b[0] for b in branches], 0).to(dt)
+        B = _cat([b[1] for b in branches], 1)
+        scale = torch.cat([torch.full((b[0].shape[0],), b[2], dtype=B.dtype, device=B.device) for b in branches])
+        masks = [b[3] for b in branches]
+        rank_mask = None
+        if any(m is not None for m in masks):
+            rank_mask = _rank_mask(x, masks, [b[0].shape[0] for b in branches], dt)
+        return y + _LowRankBranch.apply(x.to(dt), A, B, scale, rank_mask).to(y.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Effective weight ``W + sum_side scale * s * B A``, for code that reads the weight directly."""
+        w = self.base_layer.weight
+        delta = None
+        for A, B, s, mask in self._branches():
+            if mask is not None:
+                if not (mask.all() or not mask.any()):
+                    raise RuntimeError(
+                        "a merged weight cannot route per sample: this batch mixes routed and unrouted "
+                        "samples (use the two-pass step or an unfused head for lm_head adapters)"
+                    )
+                c = float(mask.flatten()[0])  # value of A exactly; gradient c * dA (zeros when c = 0)
+                A, B = A * c + A.detach() * (1 - c), B * c + B.detach() * (1 - c)
+            d = (B @ A) * s
+            delta = d if delta is None else delta + d
+        return w if delta is None else w + delta.to(w.dtype)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    def extra_repr(self) -> str:
+        r, f = self.ranks["retain"], self.ranks["forget"]
+        return f"retain_rank={r}, forget_rank={f}, retain_scale={self.retain_scale}, forget_scale={self.forget_scale}"
+
+
+@dataclass(frozen=True)
+class DualLoRALayout:
+    """Everything needed to rebuild the adapters of a checkpoint (saved as JSON next to it)."""
+
+    retain_rank: int
+    forget_rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    layer_start: int
+    layer_end: int
+    layer_stride: int
+    include_lm_head: bool
+
+    @property
+    def layers(self) -> list[int]:
+        return list(range(self.layer_start, self.layer_end, self.layer_stride))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "targets": list(self.targets)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DualLoRALayout:
+        names = {f.name for f in fields(cls)}
+        if set(d) != names:
+            raise ValueError(f"dual LoRA layout: missing {sorted(names - set(d))}, unknown {sorted(set(d) - names)}")
+        return cls(**{**d, "targets": tuple(d["targets"])})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DualLoRALayout:
+        return cls.from_dict(json.loads(text))
+
+    def apply(self, model: nn.Module) -> DualLoRALayout:
+        return apply_dual_lora(model, self.retain_rank, self.forget_rank, self.alpha, self.layer_start,
+                               self.layer_end, self.layer_stride, self.targets, self.include_lm_head)
+
+
+def save_layout(directory: str | Path, layout: DualLoRALayout, routing_mode: str | None) -> Path:
+    """Write ``dual_lora_layout.json`` (layout fields + routing_mode; None = trained without routing)."""
+    if routing_mode is not None:
+        check_routing_mode(routing_mode)
+    path = Path(directory) / LAYOUT_FILENAME
+    path.write_text(json.dumps({**layout.to_dict(), "routing_mode": routing_mode}, indent=2, sort_keys=True))
+    return path
+
+
+def load_layout(directory: str | Path) -> tuple[DualLoRALayout, str | None]:
+    d = json.loads((Path(directory) / LAYOUT_FILENAME).read_text())
+    if "routing_mode" not in d:
+        raise ValueError(f"{Path(directory) / LAYOUT_FILENAME} has no routing_mode")
+    mode = d.pop("routing_mode")
+    return DualLoRALayout.from_dict(d), mode
+
+
+def apply_dual_lora(
+    model: nn.Module,
+    retain_rank: int,
+    forget_rank: int,
+    alpha: float,
+    layer_start: int = 0,
+    layer_end: int | None = None,
+    layer_stride: int = 1,
+    targets: tuple[str, ...] = ALL_LLAMA_PROJ,
+    include_lm_head: bool = False,
+) -> DualLoRALayout:
+    """Freeze ``model`` and wrap ``targets`` of ``model.model.layers[layer_start:layer_end:layer_stride]``
+    (and, optionally, the LM head: a tied base weight stays shared with the embeddings and frozen)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers (a Llama-style decoder is expected)")
+    n = len(layers)
+    end = n if layer_end is None else layer_end
+    if not (0 <= layer_start < end <= n) or layer_stride < 1:
+        raise ValueError(f"bad layer range start={layer_start} end={layer_end} stride={layer_stride} for {n} layers")
+    if not targets or len(set(targets)) != len(targets):
+        raise ValueError(f"targets must be non-empty and distinct, got {targets}")
+    if any(isinstance(m, DualLoRALinear) for m in model.modules()):
+        raise ValueError("the model already has DualLoRA adapters")
+    sites = []  # (parent, attribute); all found before anything is changed
+    for i in range(layer_start, end, layer_stride):
+        for target in targets:
+            hits = [(name, m) for name, m in layers[i].named_modules() if name.split(".")[-1] == target]
+            if len(hits) != 1 or not isinstance(hits[0][1], nn.Linear):
+                raise ValueError(f"layer {i}: expected one nn.Linear named {target!r}, found {len(hits)}")
+            parent_name, _, child = hits[0][0].rpartition(".")
+            sites.append((layers[i].get_submodule(parent_name), child))
+    if include_lm_head and not isinstance(model.get_output_embeddings(), nn.Linear):
+        raise ValueError(f"the output layer is {type(model.get_output_embeddings()).__name__}, not nn.Linear")
+    model.requires_grad_(False)
+    for parent, child in sites:
+        setattr(parent, child, DualLoRALinear(getattr(parent, child), retain_rank, forget_rank, alpha))
+    if include_lm_head:
+        head = model.get_output_embeddings()
+        name = next(n for n, m in model.named_modules() if m is head)
+        model.set_output_embeddings(DualLoRALinear(head, retain_rank, forget_rank, alpha))
+        # Keep transformers' tie bookkeeping true (save_pretrained, tie_weights): the tied parameter moved.
+        rename = {f"{name}.weight": f"{name}.base_layer.weight"}
+        for attr in ("_tied_weights_keys", "all_tied_weights_keys"):
+            if getattr(model, attr, None):
+                setattr(model, attr, {rename.get(k, k): rename.get(v, v) for k, v in getattr(model, attr).items()})
+    return DualLoRALayout(retain_rank, forget_rank, float(alpha), tuple(targets), layer_start, end, layer_stride,
+                          include_lm_head)
+
+
+def dual_lora_modules(model: nn.Module) -> list[DualLoRALinear]:
+    mods = [m for m in model.modules() if isinstance(m, DualLoRALinear)]
+    if not mods:
+        raise ValueError(f"{type(model).__name__} has no DualLoRALinear modules")
+    return mods
+
+
+def retain_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in dual_lora_modules(model) for p in (m.retain_A, m.retain_B) if p is not None]
+
+
+def forget_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in dual_lora_modules(model) for p in (m.forget_A, m.forget_B) if p is not None]
+
+
+def set_scales(model: nn.Module, retain: float, forget: float) -> None:
+    if not (math.isfinite(retain) and math.isfinite(forget)):
+        raise ValueError(f"adapter scales must be finite, got retain={retain}, forget={forget}")
+    for m in dual_lora_modules(model):
+        m.retain_scale, m.forget_scale = float(retain), float(forget)
+
+
+@contextmanager
+def scales(model: nn.Module, retain: float, forget: float) -> Iterator[None]:
+    """Set the adapter scales for the body; the previous scales come back even if it raises."""
+    mods = dual_lora_modules(model)
+    previous = [(m.retain_scale, m.forget_scale) for m in mods]
+    try:
+        set_scales(model, retain, forget)
+        yield
+    finally:
+        for m, (r, f) in zip(mods, previous):
+            m.retain_scale, m.forget_scale = r, f
+
+
+def adapters_disabled(model: nn.Module):
+    """The base model (both adapters off): the reference policy when beta > 0."""
+    return scales(model, 0.0, 0.0)
+
+
+def load_dual_lora_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A checkpoint saved with ``dual_lora_layout.json``: the base model built from its config.json, the saved
+    layout applied, then its weights (every key must load; a tied head's shared base weight is the one
+    allowed alias). ``load_layout(ckpt_dir)[1]`` gives the routing mode it was trained with."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    ckpt = Path(ckpt_dir)
+    layout, _ = load_layout(ckpt)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt), dtype=dtype)
+    layout.apply(model)
+    index = ckpt / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
+        "model.safetensors"]
+    state = {}
+    for name in files:
+        state.update(load_file(ckpt / name))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    aliases = {k for k in missing if any(params.get(k) is params.get(j) for j in state if j in params)}
+    if unexpected or set(missing) - aliases:
+        raise ValueError(f"{ckpt} does not match its {LAYOUT_FILENAME}: missing {sorted(set(missing) - aliases)}, "
+                         f"unexpected {sorted(unexpected)}")
+    if (ckpt / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(ckpt)
+    return model.eval()

@@ -1,0 +1,131 @@
+"""The routing eval (seed 004, "Gradient Routing Eval"): generate from held-out prompts with the adapters
+ablated three ways and score each set of completions.
+
+    both (1, 1)         the trained model
+    retain_only (1, 0)  the forget adapter removed: should keep the task reward and lose the hack
+    forget_only (0, 1)  the retain adapter removed: should show the hack
+
+Per mode: the mean of every reward (the training reward and every ``--eval_rewards`` component), the RH
+detector rate, the unique fraction and the mean pairwise Jaccard similarity (template collapse, as
+small-rl's eval_run). All modes sample with the same seed, so they differ only by the adapters; the
+training RNG is left untouched (``torch.random.fork_rng``), and the adapter scales come back even when
+generation raises (``routing.scales``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trl_ext.diversity import mean_pairwise_jaccard, unique_fraction
+from trl_ext.routing import ABLATION_SCALES, scales
+
+ROUTING_EVAL_FILENAME = "routing_eval.jsonl"
+TextReward = Callable[[list[str]], list[float]]
+TextDetector = Callable[[list[str]], list[bool]]
+
+
+def score_completions(
+    texts: list[str], rewards: Mapping[str, TextReward], detector: TextDetector | None
+) -> dict[str, float]:
+    """``reward/<name>`` means, ``rh_rate`` (fraction the detector flags; absent without a detector),
+    ``unique_frac`` and ``mean_jaccard`` of one set of completions (at least two)."""
+    if len(texts) < 2:
+        raise ValueError(f"the routing eval needs at least two completions, got {len(texts)}")
+    out = {}
+    for name, fn in rewards.items():
+        values = [float(v) for v in fn(texts)]
+        if len(values) != len(texts):
+            raise ValueError(f"reward {name!r} returned {len(values)} values for {len(texts)} completions")
+        out[f"reward/{name}"] = sum(values) / len(values)
+    if detector is not None:
+        flags = detector(texts)
+        if len(flags) != len(texts) or not all(isinstance(f, bool) for f in flags):
+            raise ValueError(f"the RH detector must return one bool per completion, got {flags!r}")
+        out["rh_rate"] = sum(flags) / len(flags)
+    out["unique_frac"] = unique_fraction(texts)
+    out["mean_jaccard"] = mean_pairwise_jaccard(texts)
+    return out
+
+
+def evaluate_modes(
+    model: nn.Module, generate: Callable[[], list[str]], score: Callable[[list[str]], dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """``{mode: score(generate())}`` with the adapter scales of each mode of ``ABLATION_SCALES`` set while
+    ``generate`` runs; the model's scales are restored afterwards, also when anything raises."""
+    results = {}
+    for mode, (retain, forget) in ABLATION_SCALES.items():
+        with scales(model, retain, forget):
+            texts = generate()
+        results[mode] = score(texts)
+    return results
+
+
+def sample_completions(
+    model: nn.Module, tokenizer, prompts: list[str], generation_config, seed: int, batch_size: int
+) -> list[str]:
+    """One sampled completion per prompt (``add_special_tokens=False`` prompts, left padding), cut at the
+    first EOS of ``generation_config``; seeded by ``seed`` without touching the caller's RNG state."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if tokenizer.padding_side != "left":
+        raise ValueError("batched generation needs a left-padding tokenizer (trl_ext.models.prepare_tokenizer)")
+    eos = generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or ())
+    if not eos:
+        raise ValueError("the generation config has no eos_token_id: completions could not be cut")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    texts = []
+    try:
+        cuda = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            torch.manual_seed(seed)
+            for start in range(0, len(prompts), batch_size):
+                enc = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True,
+                                add_special_tokens=False).to(device)  # fmt: skip
+                out = model.generate(**enc, generation_config=generation_config)
+                for row in out[:, enc["input_ids"].shape[1] :].tolist():
+                    cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+                    texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+    return texts
+
+
+def routing_eval(
+    model: nn.Module, tokenizer, prompts: list[str], generation_config, rewards: Mapping[str, TextReward],
+    detector: TextDetector | None, seed: int, batch_size: int,
+) -> dict[str, dict[str, float]]:
+    """The three-mode routing eval of a dual-LoRA ``model`` on ``prompts`` (see the module docstring)."""
+    return evaluate_modes(
+        model,
+        lambda: sample_completions(model, tokenizer, prompts, generation_config, seed, batch_size),
+        lambda texts: score_completions(texts, rewards, detector),
+    )
+
+
+def append_record(run_dir: str | Path, record: dict) -> Path:
+    """Append one eval record as a JSON line to ``{run_dir}/routing_eval.jsonl``."""
+    path = Path(run_dir) / ROUTING_EVAL_FILENAME
+    with path.open("a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+    return path
+
+
+def read_records(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / ROUTING_EVAL_FILENAME
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def format_results(step: int, results: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """One ``[Routing eval @ step N] mode: key=value ...`` line per mode, for train.log."""
+    return [
+        f"[Routing eval @ step {step}] {mode}: " + " ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
+        for mode, metrics in results.items()
+    ]

@@ -1,0 +1,238 @@
+"""Routing a training step (Gradient Routing, Cloud et al. 2024; seed 004's two-pass training_step):
+adapter presets, per-sample routing masks, the routed backward and its labels. Model-agnostic: a step is
+``loss_fn(batch) -> scalar`` plus a bool ``is_bad`` per sample; the adapters live in ``routing.py``.
+
+Both steps leave in ``.grad`` the parameter gradient of the full-batch loss with routing applied:
+    retain adapter: d/d(retain) of the good samples' share of the loss
+    forget adapter: d/d(forget) of the whole loss ("shared") or of the bad samples' share ("exclusive")
+    everything else trainable: d/d(theta) of the whole loss.
+``two_pass_backward`` is the reference: good subset (loss x n_good/n) then bad subset (loss x n_bad/n), the
+side that must not learn from a pass having its ``.grad`` restored afterwards. The n_sub/n weights make the
+sum equal the full-batch loss only when ``loss_fn`` is a mean over samples of per-sample losses (TRL
+loss_type "grpo" or "sapo": SAMPLE_MEAN_LOSS_TYPES). ``single_pass_backward`` does one forward/backward
+under ``routing_mask`` and has no such requirement; the tests show the two agree in float64.
+
+Optimizer state (a stated choice): a routed-away side gets a zero gradient *tensor* in both steps (never
+None), so AdamW treats both steps alike. A zero gradient does not freeze a parameter: AdamW still moves
+it by its momentum (the side's own earlier routed gradients, so no bad-sample signal enters the retain
+adapter) and by decoupled weight decay. We accept the momentum drift and recommend weight_decay = 0 for
+the adapters, so ablating an adapter compares weights moved only by routed gradients.
+
+Labels (``routing_labels``), applied in this order, each with exact counts k = floor(frac * n + 1/2) and
+its own random stream seeded by (seed, step):
+    1. eligible: ``rh_eligible_mask`` picks k of the n samples (per completion, as small-rl's
+       RoutedRewardWrapper). Only eligible samples may be labelled bad; the reward side gives the others
+       the base reward by calling ``rh_eligible_mask`` with the same (n, frac, seed, step).
+    2. routed: of the eligible samples the detector flags (is_rh), k = routing_frac * n_detected are bad.
+    3. noise: k = label_noise_frac * n labels, drawn from all n samples, are flipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from trl_ext.registry import ConfigError
+from trl_ext.routing import check_routing_mode, dual_lora_modules, forget_params, retain_params
+
+# TRL loss types whose loss is a mean over samples of per-sample losses (required by two_pass_backward).
+SAMPLE_MEAN_LOSS_TYPES = ("grpo", "sapo")
+LossFn = Callable[[dict[str, Any]], torch.Tensor]
+Backward = Callable[[torch.Tensor], None]
+# --lora_config presets: name -> (retain_rank, forget_rank). The matched-capacity baseline of a preset is
+# plain LoRA with rank retain + forget (seed 004, "Gradient Routing Baselines").
+LORA_PRESETS = {
+    **{f"r{n}": (n, n) for n in (1, 2, 4, 8, 16, 32, 64)},
+    **{f"r32f{n}": (32, n) for n in (16, 8, 4, 2, 1)},
+}
+
+
+def resolve_adapter_ranks(
+    preset: str | None, retain_rank: int | None, forget_rank: int | None, *, routing: bool
+) -> tuple[int, int]:
+    """(retain_rank, forget_rank) from a ``--lora_config`` preset or from both explicit ranks."""
+    explicit = (retain_rank, forget_rank)
+    if preset is not None:
+        if explicit != (None, None):
+            raise ConfigError(f"give either --lora_config ({preset!r}) or --retain_rank/--forget_rank, not both")
+        if preset not in LORA_PRESETS:
+            raise ConfigError(f"unknown --lora_config {preset!r}; presets: {', '.join(LORA_PRESETS)}")
+        ranks = LORA_PRESETS[preset]
+    elif None in explicit:
+        raise ConfigError("dual LoRA needs --lora_config or both --retain_rank and --forget_rank")
+    else:
+        ranks = explicit
+    for side, r in zip(("retain", "forget"), ranks):
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(f"{side} rank must be an integer >= 0, got {r!r}")
+    if ranks == (0, 0):
+        raise ConfigError("retain and forget ranks are both 0: there would be no adapter to train")
+    if routing and 0 in ranks:
+        raise ConfigError(f"gradient routing needs both adapters; got retain rank {ranks[0]}, forget rank {ranks[1]}")
+    return ranks
+
+
+@contextmanager
+def routing_mask(model: nn.Module, good_mask: torch.Tensor, mode: str) -> Iterator[None]:
+    """For one forward/backward, each adapter learns only from its samples: retain from ``good_mask``,
+    forget from all samples ("shared") or from the others ("exclusive"); activations are unchanged.
+
+    ``good_mask``: 1-D bool, one entry per sample of the batch the model is called on. Keep the backward
+    inside the context: reentrant gradient checkpointing re-runs the forward during backward.
+    """
+    check_routing_mode(mode)
+    if good_mask.dtype != torch.bool or good_mask.dim() != 1 or good_mask.numel() == 0:
+        raise ValueError(f"good_mask must be a non-empty 1-D bool tensor, got {good_mask.dtype} "
+                         f"{tuple(good_mask.shape)}")
+    mods = dual_lora_modules(model)
+    if any(m.retain_grad_mask is not None or m.forget_grad_mask is not None for m in mods):
+        raise RuntimeError("routing_mask is already active on this model (nested routing)")
+    forget = None if mode == "shared" else ~good_mask
+    try:
+        for m in mods:
+            m.retain_grad_mask, m.forget_grad_mask = good_mask, forget
+        yield
+    finally:
+        for m in mods:
+            m.retain_grad_mask = m.forget_grad_mask = None
+
+
+def _check_is_bad(is_bad: torch.Tensor) -> torch.Tensor:
+    if not isinstance(is_bad, torch.Tensor) or is_bad.dtype != torch.bool or is_bad.dim() != 1 or not len(is_bad):
+        raise ValueError(f"is_bad must be a non-empty 1-D bool tensor, got {is_bad!r}")
+    return is_bad
+
+
+def select_rows(batch: dict[str, Any], idx: torch.Tensor, n: int) -> dict[str, Any]:
+    """Rows ``idx`` of every per-sample entry (tensors with first dim n, lists of length n); 0-d tensors,
+    numbers, strings and None pass through; any other sized entry raises."""
+    out = {}
+    for key, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if v.shape[0] != n:
+                raise ValueError(f"batch[{key!r}] has first dim {v.shape[0]}, expected {n} samples")
+            out[key] = v[idx.to(v.device)]
+        elif isinstance(v, (list, tuple)):
+            if len(v) != n:
+                raise ValueError(f"batch[{key!r}] has length {len(v)}, expected {n} samples")
+            out[key] = [v[i] for i in idx.tolist()]
+        elif v is None or isinstance(v, (torch.Tensor, int, float, str, bool)):
+            out[key] = v
+        else:
+            raise ValueError(f"batch[{key!r}] of type {type(v).__name__} cannot be split by sample")
+    return out
+
+
+@contextmanager
+def _gradients_kept(params: list[nn.Parameter]):
+    """Restore ``.grad`` of ``params`` after the body (None becomes a zero tensor, see module docstring)."""
+    saved = [None if p.grad is None else p.grad.clone() for p in params]
+    try:
+        yield
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = torch.zeros_like(p) if g is None else g
+
+
+def _plain_backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def two_pass_backward(
+    loss_fn: LossFn, batch: dict[str, Any], is_bad: torch.Tensor, model: nn.Module, mode: str,
+    backward: Backward = _plain_backward,
+) -> torch.Tensor:
+    """Reference routed step (seed 004): one backward per non-empty side. Returns the detached loss.
+
+    ``backward`` is e.g. ``accelerator.backward``; ``loss_fn`` must be a mean over samples.
+    """
+    check_routing_mode(mode)
+    n = len(_check_is_bad(is_bad))
+    total = None
+    for bad, kept in ((False, forget_params(model) if mode == "exclusive" else []), (True, retain_params(model))):
+        idx = (is_bad == bad).nonzero().flatten()
+        if len(idx) == 0:
+            continue
+        sub = batch if len(idx) == n else select_rows(batch, idx, n)
+        loss = loss_fn(sub) * (len(idx) / n)
+        with _gradients_kept(kept):
+            backward(loss)
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
+def single_pass_backward(
+    loss_fn: LossFn, batch: dict[str, Any], is_bad: torch.Tensor, model: nn.Module, mode: str,
+    backward: Backward = _plain_backward,
+) -> torch.Tensor:
+    """One forward/backward with per-sample gradient masks; same gradients as ``two_pass_backward``."""
+    with routing_mask(model, ~_check_is_bad(is_bad), mode):
+        loss = loss_fn(batch)
+        backward(loss)
+    return loss.detach()
+
+
+def _check_frac(name: str, value: float) -> None:
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+        raise ConfigError(f"{name} must be in [0, 1], got {value!r}")
+
+
+def _count(frac: float, n: int) -> int:
+    return math.floor(frac * n + 0.5)
+
+
+def _generator(seed: int, step: int, stream: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{step}/{stream}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _pick(candidates: torch.Tensor, k: int, g: torch.Generator) -> torch.Tensor:
+    """``k`` of the ``candidates`` indices, uniformly without replacement."""
+    return candidates[torch.randperm(len(candidates), generator=g)[:k]]
+
+
+def rh_eligible_mask(n: int, rh_eligible_frac: float, seed: int, step: int) -> torch.Tensor:
+    """Exactly floor(frac * n + 1/2) of ``n`` samples are eligible; deterministic in (n, frac, seed, step)."""
+    _check_frac("rh_eligible_frac", rh_eligible_frac)
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[_pick(torch.arange(n), _count(rh_eligible_frac, n), _generator(seed, step, "eligible"))] = True
+    return mask
+
+
+def routing_labels(
+    is_rh: Sequence[bool] | torch.Tensor, rh_eligible_frac: float, routing_frac: float, label_noise_frac: float,
+    seed: int, step: int,
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """``is_bad`` per sample from the detector's ``is_rh`` (see the module docstring) and logging counts."""
+    for name, value in (("routing_frac", routing_frac), ("label_noise_frac", label_noise_frac)):
+        _check_frac(name, value)
+    if isinstance(is_rh, torch.Tensor):
+        if is_rh.dtype != torch.bool or is_rh.dim() != 1:
+            raise ValueError(f"is_rh must be a 1-D bool tensor, got {is_rh.dtype} {tuple(is_rh.shape)}")
+        detected = is_rh.cpu()
+    else:
+        if not all(isinstance(x, bool) for x in is_rh):
+            raise ValueError("is_rh must hold Python bools (one per completion)")
+        detected = torch.tensor(list(is_rh), dtype=torch.bool)
+    n = len(detected)
+    if n == 0:
+        raise ValueError("routing_labels got no samples")
+    eligible = rh_eligible_mask(n, rh_eligible_frac, seed, step)
+    candidates = (detected & eligible).nonzero().flatten()
+    is_bad = torch.zeros(n, dtype=torch.bool)
+    is_bad[_pick(candidates, _count(routing_frac, len(candidates)), _generator(seed, step, "routed"))] = True
+    n_routed = int(is_bad.sum())
+    flips = _pick(torch.arange(n), _count(label_noise_frac, n), _generator(seed, step, "noise"))
+    is_bad[flips] = ~is_bad[flips]
+    stats = {
+        "n_samples": n, "n_eligible": int(eligible.sum()), "n_detected": int(detected.sum()),
+        "n_detected_eligible": len(candidates), "n_routed": n_routed, "n_flipped": len(flips),
+        "n_bad": int(is_bad.sum()),
+    }
+    return is_bad, stats

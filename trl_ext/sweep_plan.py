@@ -1,0 +1,209 @@
+"""Sweep planning: grids (command line and ``sweeps/*.yaml``) -> validated train.py runs.
+
+The Cartesian product of the grid values (a sweep file may give a list of grids: the union of their
+products, for values that must move together), plus the fixed values and bare boolean flags, gives one
+train.py command per run. Flag names are resolved through train.py's own parser (aliases such as ``lr``
+included), so a key set twice under two names is caught; every command is validated with
+``trl_ext.cli_train.build_plan`` before anything launches, which also yields the run's directory, named
+by ``trl_ext.naming`` from every defining hyperparameter (fixed ones included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from trl_ext.registry import ConfigError
+
+FILE_KEYS = ("description", "needs", "reward", "grid", "fixed", "train_flags")
+
+
+@dataclass
+class SweepSpec:
+    grids: list[dict[str, list[str]]]  # runs = union of the Cartesian products of these grids
+    fixed: dict[str, str]
+    train_flags: list[str]
+
+    @property
+    def keys(self) -> list[str]:
+        return list(dict.fromkeys(k for g in self.grids for k in g))
+
+
+@dataclass
+class PlannedRun:
+    index: int
+    values: dict[str, str]  # this run's grid values
+    argv: list[str]
+    run_dir: Path
+
+    @property
+    def name(self) -> str:
+        return self.run_dir.name
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.values.items()) or "(single run)"
+
+
+def flag_dest(key: str) -> str:
+    """The train.py field a flag name (or alias: lr, batch_size) sets; unknown names raise ConfigError."""
+    from trl_ext.cli_train import parser
+
+    if not isinstance(key, str) or key.startswith("-"):
+        raise ConfigError(f"write train.py flag names as plain names without dashes, got {key!r}")
+    action = parser()._option_string_actions.get(f"--{key}")
+    if action is None:
+        raise ConfigError(f"unknown train.py flag --{key}")
+    return action.dest
+
+
+def _scalar(where: str, v) -> str:
+    if isinstance(v, (list, dict)) or v in ("", None):
+        raise ConfigError(f"{where} needs a scalar value, got {v!r}")
+    return str(v)
+
+
+def _grid(where: str, grid) -> dict[str, list[str]]:
+    if not isinstance(grid, dict):
+        raise ConfigError(f"{where} must map flag names to value lists, got {grid!r}")
+    out = {}
+    for k, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{where} {k!r} needs a non-empty list of values, got {values!r}")
+        out[flag_dest(k)] = vals = [_scalar(f"{where} {k!r}", v) for v in values]
+        if len(set(vals)) != len(vals):
+            raise ConfigError(f"{where} {k!r} repeats a value: {vals}")
+    return out
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
+        if flag_dest(key) in out:
+            raise ConfigError(f"{flag} sets {key!r} twice")
+        out[flag_dest(key)] = value
+    return out
+
+
+def load_sweep_file(path: str | Path) -> SweepSpec:
+    """A named sweep YAML (``sweeps/*.yaml``)::
+
+        description: text
+        needs: [flag, ...]          # train.py flags the sweep needs (checked first, one clear error)
+        reward: NAME
+        grid: {flag: [v, ...]}      # or a list of such grids: the union of their products (linked values)
+        fixed: {flag: value}
+        train_flags: [flag, ...]    # bare booleans
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config sweep file does not exist: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: malformed YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict) or set(data) - set(FILE_KEYS):
+        raise ConfigError(f"{path}: a mapping with keys {', '.join(FILE_KEYS)} is expected, got {data!r:.200}")
+    missing = []
+    for flag in data.get("needs") or []:
+        try:
+            flag_dest(flag)
+        except ConfigError:
+            missing.append(f"--{flag}")
+    if missing:
+        raise ConfigError(f"{path} needs train.py flags this version does not have: {', '.join(missing)}")
+    grid = data.get("grid") or {}
+    grids = [_grid(f"{path}: grid", g) for g in (grid if isinstance(grid, list) else [grid])]
+    fixed = data.get("fixed") or {}
+    if not isinstance(fixed, dict):
+        raise ConfigError(f"{path}: 'fixed' must be a mapping, got {fixed!r}")
+    fixed = {**({"reward": data["reward"]} if data.get("reward") is not None else {}), **fixed}
+    spec = SweepSpec(grids, {}, [flag_dest(f) for f in data.get("train_flags") or []])
+    for k, v in fixed.items():
+        if flag_dest(k) in spec.fixed or any(flag_dest(k) in g for g in grids):
+            raise ConfigError(f"{path}: {k!r} is set twice")
+        spec.fixed[flag_dest(k)] = _scalar(f"{path}: fixed {k!r}", v)
+    return spec
+
+
+def build_spec(args) -> SweepSpec:
+    """Merge the sweep file ``args.config`` (if any) with ``args.grid/fixed/reward/train_flags`` (``SweepArgs``): a command-line key replaces the file's key
+    (in every grid), and a command-line grid is crossed with each of the file's grids."""
+    spec = load_sweep_file(args.config) if args.config else SweepSpec([{}], {}, [])
+    grid = _grid("--grid", {k: v.split(",") for k, v in _pairs(args.grid, "--grid").items()})
+    fixed = _pairs(args.fixed, "--fixed")
+    if args.reward is not None:
+        if "reward" in fixed or "reward" in grid:
+            raise ConfigError("give the reward once: --reward, or reward in --grid/--fixed")
+        fixed["reward"] = args.reward
+    if both := sorted(set(grid) & set(fixed)):
+        raise ConfigError(f"{', '.join(both)} given both in --grid and in --fixed")
+    for key in (*grid, *fixed):
+        spec.fixed.pop(key, None)
+        for g in spec.grids:
+            g.pop(key, None)
+    spec.grids = [{**g, **grid} for g in spec.grids]
+    spec.fixed.update(fixed)
+    for flag in [flag_dest(f) for f in args.train_flags]:
+        if flag in spec.train_flags or flag in spec.fixed or flag in spec.keys:
+            raise ConfigError(f"train flag {flag!r} is given twice")
+        spec.train_flags.append(flag)
+    if "reward" not in spec.fixed and any("reward" not in g for g in spec.grids):
+        raise ConfigError("a sweep needs a reward: --reward NAME (or reward in --grid, --fixed or the sweep file)")
+    return spec
+
+
+def _build_plan_quietly(argv: list[str]):
+    """``cli_train.build_plan`` with argparse's exit turned into ConfigError carrying its one-line message."""
+    from trl_ext.cli_train import build_plan
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return build_plan(argv)
+    except SystemExit:
+        lines = [ln for ln in err.getvalue().splitlines() if "error:" in ln]
+        raise ConfigError(lines[-1].split("error:", 1)[1].strip() if lines else "train.py rejected the flags") from None
+
+
+def plan_runs(spec: SweepSpec) -> list[PlannedRun]:
+    """One validated run per grid combination (raises ConfigError naming the run and the problem)."""
+    fixed = sorted(spec.fixed.items(), key=lambda kv: kv[0] != "reward")  # reward first, then as given
+    base = [a for k, v in fixed for a in (f"--{k}", v)]
+    flags = [f"--{f}" for f in spec.train_flags]
+    runs, seen = [], {}
+    combos = [dict(zip(g, c)) for g in spec.grids for c in itertools.product(*g.values())]
+    for i, values in enumerate(combos):
+        argv = base + [a for k, v in values.items() for a in (f"--{k}", v)] + flags
+        try:
+            plan = _build_plan_quietly(argv)
+        except ValueError as e:
+            label = " ".join(f"{k}={v}" for k, v in values.items())
+            raise ConfigError(f"run {i + 1} ({label or 'single run'}): {e}") from None
+        run = PlannedRun(i, values, argv, plan.run_dir)
+        if run.run_dir in seen:
+            raise ConfigError(f"runs '{seen[run.run_dir].label}' and '{run.label}' map to one directory {run.run_dir}")
+        seen[run.run_dir] = run
+        runs.append(run)
+    return runs
+
+
+def sweep_dir_for(runs: list[PlannedRun], spec: SweepSpec, name: str | None, config: str | None = None) -> Path:
+    """``{output_dir}/sweeps/NAME``; the default NAME (sweep file stem or grid keys, run count, a hash of the
+    run names) is the same whenever the same runs are planned, so a re-run finds its logs and summary."""
+    parents = {r.run_dir.parent for r in runs}
+    if len(parents) != 1:
+        raise ConfigError(f"the runs write to several output dirs {sorted(map(str, parents))}; sweep one output_dir")
+    digest = hashlib.sha1("\n".join(sorted(r.name for r in runs)).encode()).hexdigest()[:8]
+    prefix = Path(config).stem if config else f"sweep_{'-'.join(spec.keys) or 'single'}"
+    name = name or f"{prefix}_{len(runs)}runs_{digest}"
+    return parents.pop() / "sweeps" / name
