@@ -6,9 +6,14 @@ Every GRPOConfig / TrainingArguments field is a flag too (`uv run train.py --hel
 A configuration error exits with code 2 before any model is loaded.
 """
 
+import os
 import sys
 
-from trl_ext.cli_train import main
+# Before torch is imported: with OpenMP's default spin-waiting, 2-thread torch runs several times
+# slower whenever another process shares the cores (a parallel sweep, the test suite).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from trl_ext.cli_train import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

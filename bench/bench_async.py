@@ -16,7 +16,9 @@ import os
 import tempfile
 import time
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve on shared cores
+
+import torch  # noqa: E402
 from transformers import AutoTokenizer, TrainerCallback
 
 from environments.stories import load_prompts

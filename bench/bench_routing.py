@@ -15,7 +15,11 @@ variants ``--rounds`` times in one process; medians are compared.
 
 from __future__ import annotations
 
-import argparse
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # set before torch loads: spinning threads crawl on shared cores
+
+import argparse  # noqa: E402
 import statistics
 import tempfile
 import time

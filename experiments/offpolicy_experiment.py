@@ -23,7 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve on shared cores
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"

@@ -20,7 +20,11 @@ forget_only is the untrained base model).
 
 from __future__ import annotations
 
-import argparse
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # set before torch loads: spinning threads crawl on shared cores
+
+import argparse  # noqa: E402
 import json
 import subprocess
 import sys

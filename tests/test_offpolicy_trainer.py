@@ -281,7 +281,7 @@ def test_sampler_logprobs_match_trainer_on_builtin(builtin_path, tmp_path, tempe
     trainer = ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[length_reward], train_dataset=prompts,
                              processing_class=tok, args=ExtGRPOConfig(output_dir=str(tmp_path), beta=0.0,
                              temperature=temperature, top_k=top_k, report_to=[], use_cpu=True))  # fmt: skip
-    prompt_ids = tok(prompts["prompt"], add_special_tokens=False)["input_ids"]
+    prompt_ids = tok(list(prompts["prompt"]), add_special_tokens=False)["input_ids"]
     params = SamplingParams(64, temperature, top_k, 1.0, tuple(trainer.eos_token_ids), tok.pad_token_id)
     out = sample(generation_copy(trainer.model), prompt_ids, params, torch.Generator().manual_seed(0))
     width = max(map(len, out.completion_ids))

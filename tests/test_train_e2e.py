@@ -51,3 +51,24 @@ def test_train_few_steps_on_builtin(builtin_path, tmp_path):
     assert cfg["ExtGRPOConfig"]["output_dir"] == str(run_dir)
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert summary["status"] == "done" and summary["steps"] == 4
+
+
+@pytest.mark.slow
+def test_train_from_local_path(builtin_path, tmp_path):
+    """The from_pretrained path (as for SimpleStories/SimpleStories-1.25M) on a local copy of the builtin model."""
+    import shutil
+
+    local = tmp_path / "my_model"
+    shutil.copytree(builtin_path, local)
+    flags = [
+        "--reward", "happy_binary", "--model", str(local), "--prompts", "builtin", "--max_steps", "1",
+        "--batch_size", "4", "--num_generations", "2", "--max_completion_length", "8", "--no_wandb",
+        "--output_dir", str(tmp_path / "out"),
+    ]  # fmt: skip
+    proc = subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert run_dir.name == "happy_binary_my-model_lr1e-5_b0.02_bs4_ng2_full_st1_s42_max_completion_length8"
+    cfg = yaml.safe_load((run_dir / "run_config.yaml").read_text())
+    assert cfg["RunArgs"]["model"] == str(local) and cfg["RunArgs"]["prompts"] == "builtin"
+    assert (run_dir / "checkpoint-1" / "model.safetensors").is_file()

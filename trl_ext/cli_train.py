@@ -3,6 +3,7 @@ then build the run directory, the prompts, the rewards and the trainer, and trai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -43,26 +44,53 @@ def build_plan(argv: list[str]) -> Plan:
     """Parse ``argv`` and validate the run; raises ConfigError (argparse itself exits 2 on bad flags)."""
     from rewards.config import load_reward_config
     from trl_ext.models import resolve_model_arg
+    from trl_ext.distill_trainer import check_run_distill
     from trl_ext.routing_trainer import check_run_routing
 
     run, cfg, unknown = parser().parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         raise ConfigError(f"unknown arguments: {' '.join(unknown)} (see train.py --help)")
     resolve_model_arg(run.model)
+    check_env_run(run, cfg)
     config_path = Path(run.config)
     if not config_path.is_file():
         raise ConfigError(f"--config file does not exist: {config_path}")
     reward_config = load_reward_config(config_path)
-    reward_config.reward(run.reward)
-    for name in run.eval_reward_names:
+    for name in [run.reward] * bool(run.reward) + run.eval_reward_names:
         reward_config.reward(name)
-    check_run_routing(run, cfg, reward_config)
-    default_run, default_cfg = parser().parse_args_into_dataclasses(args=["--reward", run.reward])
-    name = cfg.run_name or run_name(run, cfg, default_run, default_cfg, adapter_tag(run, cfg))
+    if run.reward:
+        check_run_routing(run, cfg, reward_config)
+    check_run_distill(run, cfg)
+    base_args = ["--reward", run.reward] if run.reward else ["--env", cfg.env]
+    default_run, default_cfg = parser().parse_args_into_dataclasses(args=base_args)
+    named = run if run.reward else dataclasses.replace(run, reward=f"{cfg.mode}-{cfg.env}")
+    name = cfg.run_name or run_name(named, cfg, default_run, default_cfg, adapter_tag(run, cfg))
     run_dir = Path(cfg.output_dir) / name
     cfg.run_name = name
     cfg.output_dir = str(run_dir)
     return Plan(run=run, cfg=cfg, reward_config=reward_config, run_dir=run_dir, argv=list(argv))
+
+
+def check_env_run(run: RunArgs, cfg: ExtGRPOConfig) -> None:
+    """--env replaces --reward (the environment's reward is the reward) and needs a tokenizer for its text."""
+    from trl_ext.builtin_env_model import BUILTIN_ENV
+
+    if not cfg.env:
+        if not run.reward:
+            raise ConfigError("--reward is required (a reward binding name from --config), or --env")
+        if run.model == BUILTIN_ENV:
+            raise ConfigError(f"--model {BUILTIN_ENV} is the environments' model: use it with --env")
+        return
+    if run.reward or run.eval_reward_names:
+        raise ConfigError("--env and --reward/--eval_rewards exclude each other: the environment gives the reward")
+    if run.model == "builtin":
+        raise ConfigError(f"--env needs --model {BUILTIN_ENV} (or an instruct model): the builtin model's "
+                          "tokenizer has no symbols for the environments' text (< > _ * # digits)")  # fmt: skip
+
+
+def prompt_source(run: RunArgs) -> str:
+    """The `model` argument of `environments.stories.load_prompts` for ``--prompts``."""
+    return "builtin" if run.prompts == "builtin" else run.model
 
 
 def setup_wandb(plan: Plan) -> None:
@@ -95,6 +123,10 @@ def run_training(plan: Plan) -> int:
     from trl_ext.trainer import ExtGRPOTrainer
 
     run, cfg = plan.run, plan.cfg
+    if cfg.mode == "sft":
+        from trl_ext.sft import run_sft
+
+        return run_sft(plan)
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     tee = Tee(plan.run_dir / "train.log")
     print(f"$ train.py {shlex.join(plan.argv)}\nrun dir: {plan.run_dir}", flush=True)
@@ -102,8 +134,20 @@ def run_training(plan: Plan) -> int:
     write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
 
     model_path = str(ensure_builtin(rebuild=run.rebuild_builtin)) if run.model == "builtin" else run.model
+    if cfg.env:
+        from trl_ext.builtin_env_model import BUILTIN_ENV, ensure_builtin_env
+
+        model_path = str(ensure_builtin_env(rebuild=run.rebuild_builtin)) if run.model == BUILTIN_ENV else run.model
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_path))
-    train_dataset = load_prompts(run.model, tokenizer, run.prompt_length, "train", run.num_prompts, cfg.seed)
+    if cfg.env:
+        from trl_ext.env_trainer import env_dataset, env_reward
+
+        train_dataset, reward_funcs = env_dataset(cfg.env, run.num_prompts, tokenizer), [env_reward]
+    else:
+        train_dataset = load_prompts(
+            prompt_source(run), tokenizer, run.prompt_length, "train", run.num_prompts, cfg.seed
+        )
+        reward_funcs = [as_trl_reward(run.reward, plan.reward_config.reward(run.reward))]
     peft_config = None
     if run.lora_rank:
         from peft import LoraConfig
@@ -115,7 +159,7 @@ def run_training(plan: Plan) -> int:
     model, routing_kwargs = routing_setup(run, cfg, rc, model_path, tokenizer)
     trainer = ExtGRPOTrainer(
         model=model,
-        reward_funcs=[as_trl_reward(run.reward, rc.reward(run.reward))],
+        reward_funcs=reward_funcs,
         args=cfg,
         train_dataset=train_dataset,
         processing_class=tokenizer,
@@ -123,6 +167,10 @@ def run_training(plan: Plan) -> int:
         eval_reward_funcs={name: rc.reward(name) for name in run.eval_reward_names},
         **routing_kwargs,
     )
+    if cfg.eval_baseline:
+        from trl_ext.distill_trainer import run_eval_baseline
+
+        run_eval_baseline(trainer, run, rc, prompt_source(run))
     start = time.time()
     trainer.train()
     summary = {

@@ -16,9 +16,13 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from trl_ext.registry import ConfigError
+from trl_ext.distill_trainer import DistillArgs
 from trl_ext.offpolicy_trainer import OffPolicyArgs
 from trl_ext.routing_trainer import RoutingArgs
+from trl_ext.env_trainer import EnvArgs
+from trl_ext.sft import SFTArgs
 
+PROMPT_SOURCES = ("builtin", "simplestories")
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -35,6 +39,14 @@ class RunArgs:
         },
     )
     config: str = field(default="config.yaml", metadata={"help": "YAML file binding reward and detector names."})
+    prompts: str | None = field(
+        default=None,
+        metadata={
+            "help": "Story prompt source: 'builtin' (held-out part of the builtin corpus) or 'simplestories' (the "
+            "SimpleStories dataset: train split for training, test split for eval). Unset: 'builtin' for "
+            "--model builtin, 'simplestories' for any other model (pass 'builtin' for checkpoints of builtin runs)."
+        },
+    )
     prompt_length: int = field(default=8, metadata={"help": "Prompt prefix length in tokens."})
     num_prompts: int = field(default=2048, metadata={"help": "Training prompts drawn (the trainer cycles them)."})
     eval_rewards: str = field(
@@ -48,8 +60,10 @@ class RunArgs:
     rebuild_builtin: bool = field(default=False, metadata={"help": "Rebuild the builtin model before training."})
 
     def __post_init__(self):
-        if not self.reward:
-            raise ConfigError("--reward is required (a reward binding name from --config)")
+        if self.prompts is None:
+            self.prompts = "builtin" if self.model == "builtin" else "simplestories"
+        if self.prompts not in PROMPT_SOURCES:
+            raise ConfigError(f"--prompts must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
         if self.prompt_length < 1:
             raise ConfigError(f"--prompt_length must be >= 1, got {self.prompt_length}")
         if self.num_prompts < 1:
@@ -65,7 +79,7 @@ class RunArgs:
 
 
 @dataclass
-class ExtGRPOConfig(RoutingArgs, OffPolicyArgs, GRPOConfig):
+class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, GRPOConfig):
     """`trl.GRPOConfig` with the project's defaults and extension fields."""
 
     # --- project defaults for GRPOConfig / TrainingArguments fields (seed 004's validated values) ---
@@ -74,7 +88,9 @@ class ExtGRPOConfig(RoutingArgs, OffPolicyArgs, GRPOConfig):
     per_device_train_batch_size: int = field(
         default=32, metadata={"help": "Completions per optimizer step and device.", "aliases": ["--batch_size"]}
     )
-    num_generations: int = field(default=16, metadata={"help": "Completions per prompt (group size)."})
+    num_generations: int = field(
+        default=16, metadata={"help": "Completions per prompt (group size; RAGEN's n_rollout).", "aliases": ["--n_rollout"]}
+    )
     max_steps: int = field(default=2000, metadata={"help": "Optimizer steps."})
     max_completion_length: int | None = field(default=64, metadata={"help": "Maximum completion tokens."})
     loss_type: str = field(
@@ -117,7 +133,10 @@ class ExtGRPOConfig(RoutingArgs, OffPolicyArgs, GRPOConfig):
         if self.bf16 and not _cuda_available():
             raise ConfigError("--bf16 needs a CUDA device; this machine has none (training runs in fp32)")
         self.validate_routing()
+        self.validate_distill()
         self.validate_offpolicy()
+        self.validate_env()
+        self.validate_sft()
         try:
             super().__post_init__()
         except ValueError as e:  # TRL's own checks (e.g. generation batch not divisible by num_generations)

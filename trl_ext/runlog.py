@@ -25,6 +25,7 @@ class Tee:
         self._log = open(self.path, "ab", buffering=0)
         self._saved = {fd: os.dup(fd) for fd in (1, 2)}
         self._threads = []
+        self._closed = False
         for fd in (1, 2):
             read_end, write_end = os.pipe()
             sys.stdout.flush() if fd == 1 else sys.stderr.flush()
@@ -36,20 +37,28 @@ class Tee:
         atexit.register(self.close)
 
     def _pump(self, read_end: int, terminal_fd: int) -> None:
-        while chunk := os.read(read_end, 65536):
-            os.write(terminal_fd, chunk)
-            self._log.write(chunk)
-        os.close(read_end)
+        try:
+            while chunk := os.read(read_end, 65536):
+                os.write(terminal_fd, chunk)
+                self._log.write(chunk)
+        except (OSError, ValueError):  # closed under us: a child process (e.g. wandb's service) kept the pipe
+            pass
+        finally:
+            os.close(read_end)
 
     def close(self) -> None:
-        if self._log.closed:
+        if self._closed:
             return
+        self._closed = True
         sys.stdout.flush()
         sys.stderr.flush()
         for fd, saved in self._saved.items():
             os.dup2(saved, fd)  # closes the pipe's last write end: the pump sees EOF
         for t in self._threads:
-            t.join(timeout=5)
+            t.join(timeout=2)
+        if any(t.is_alive() for t in self._threads):
+            # A child process still holds the pipe's write end; the daemon pumps end with the process.
+            return
         for saved in self._saved.values():
             os.close(saved)
         self._log.close()

@@ -21,6 +21,8 @@ from tqdm.auto import tqdm
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
+from trl_ext.distill_trainer import DistillMixin
+from trl_ext.env_trainer import EnvMixin
 from trl_ext.monitor import ZeroSignalMonitor
 from trl_ext.offpolicy_trainer import OffPolicyMixin
 from trl_ext.routing_trainer import RoutingMixin
@@ -28,7 +30,7 @@ from trl_ext.routing_trainer import RoutingMixin
 TextReward = Callable[[list[str]], list[float]]
 
 
-class ExtGRPOTrainer(RoutingMixin, OffPolicyMixin, GRPOTrainer):
+class ExtGRPOTrainer(DistillMixin, RoutingMixin, OffPolicyMixin, EnvMixin, GRPOTrainer):
     def __init__(self, *args, eval_reward_funcs: dict[str, TextReward] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.eval_reward_funcs = dict(eval_reward_funcs or {})

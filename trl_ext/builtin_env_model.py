@@ -1,0 +1,161 @@
+"""``--model builtin_env``: the builtin model's variant for the text environments.
+
+The builtin model's tokenizer was trained on stories only: it has no ``<``, ``>``, ``_``, ``*``, ``#``
+or digits, so environment observations and ``<answer>`` tags become [UNK]. This variant is built the
+same way (``trl_ext.builtin_model``: same tokenizer pipeline and pruning, same SimpleStories-1.25M-shaped
+Llama, same pretraining loop and schedule) from a corpus that adds environment transcripts to the stories:
+
+- ``STORIES`` stories (``generate_stories``, the builtin corpus' seed);
+- ``EPISODES_PER_ENV`` episodes of every registered environment, on level seeds from ``LEVEL_SEED_BASE``
+  on (far from the seeds that training, SFT and validation use), played by a uniformly random policy
+  that always answers in the no-think format ``<answer>action</answer>`` (arithmetic: a uniformly random
+  integer in 0..``RANDOM_ANSWER_MAX``). The model thus learns the format and the observation layout, not a
+  good policy: the environment experiments start from chance-level behaviour.
+
+Cached in ``<cache>/builtin-env-<VERSION>/`` with the builtin model's lock and completeness check.
+CLI: ``uv run python -m trl_ext.builtin_env_model [--rebuild]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from trl_ext import builtin_model as bm
+
+BUILTIN_ENV = "builtin_env"  # the --model value that selects this model
+VERSION = "v1"
+STORIES = 5000
+EPISODES_PER_ENV = 2000
+LEVEL_SEED_BASE = 1_000_000
+CORPUS_SEED = 7
+RANDOM_ANSWER_MAX = 100
+
+
+def builtin_env_dir() -> Path:
+    return bm.cache_dir() / f"builtin-env-{VERSION}"
+
+
+def random_episode_text(env, level_seed: int, rng: random.Random, max_turns: int) -> str:
+    """One random-policy episode rendered as the policy sees it (``Trajectory.history_text``)."""
+    from environments.base import answer_text, run_episode
+
+    def policy(_history: str) -> str:
+        if env.name == "arithmetic":
+            return answer_text(str(rng.randint(0, RANDOM_ANSWER_MAX)))
+        return answer_text(rng.choice(env.action_words))
+
+    traj = run_episode(env, policy, level_seed, max_turns)
+    if env.single_step:  # end right after the answer, so the model learns to stop there
+        return traj.observation + "\n" + traj.turns[0].agent
+    return traj.history_text()
+
+
+def corpus() -> list[str]:
+    """Stories and environment transcripts, interleaved deterministically."""
+    from environments.base import ENVIRONMENTS, env_class, make_env
+    from environments.stories import PRETRAIN_SEED, generate_stories
+
+    env_class("two_armed_bandit")  # imports (and so registers) every builtin environment
+    rng = random.Random(CORPUS_SEED)
+    docs = generate_stories(STORIES, seed=PRETRAIN_SEED)
+    for name in ENVIRONMENTS.names():
+        env = make_env(name)
+        for i in range(EPISODES_PER_ENV):
+            docs.append(random_episode_text(env, LEVEL_SEED_BASE + i, rng, env.max_turns_default))
+    rng.shuffle(docs)
+    return docs
+
+
+def build_into(out_dir: Path) -> dict:
+    """Tokenizer + model + pretraining exactly as ``builtin_model._build``, on ``corpus()``."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    t0 = time.time()
+    torch.set_num_threads(bm.NUM_THREADS)
+
+    def log(msg):
+        print(f"[builtin_env {time.time() - t0:5.0f}s] {msg}", file=sys.stderr, flush=True)
+
+    docs = corpus()
+    tokenizer = bm.train_tokenizer(docs)
+    ids = tokenizer(docs, add_special_tokens=True)["input_ids"]  # each document ends with [EOS]
+    lengths = torch.tensor([len(x) for x in ids])
+    stream = torch.tensor([t for x in ids for t in x] + [tokenizer.eos_token_id] * bm.SEQ_LEN)
+    starts = torch.cumsum(lengths, 0) - lengths
+    log(f"corpus {len(docs)} documents, {int(lengths.sum())} tokens, vocab {len(tokenizer)}")
+    torch.manual_seed(bm.TRAIN_SEED)
+    model = LlamaForCausalLM(bm.model_config(len(tokenizer)))
+    model.generation_config.bos_token_id = None
+    model.generation_config.eos_token_id = 1
+    losses = bm._pretrain(model, stream, starts, log)
+    info = {
+        "version": VERSION,
+        "documents": len(docs),
+        "corpus_tokens": int(lengths.sum()),
+        "vocab_size": len(tokenizer),
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "steps": bm.STEPS,
+        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+    }
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    info["seconds"] = round(time.time() - t0, 1)
+    (Path(out_dir) / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"done: final loss {info['final_loss']:.3f}")
+    return info
+
+
+def ensure_builtin_env(rebuild: bool = False) -> Path:
+    """The built variant's directory; built once (in a subprocess, under the builtin lock) when absent."""
+    target = builtin_env_dir()
+    if not rebuild and bm._is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with bm._file_lock(target.parent / f"{target.name}.lock"):
+        if not rebuild and bm._is_complete(target):
+            return target
+        print(f"[builtin_env] building into {target} (~3 minutes)", file=sys.stderr)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
+        try:
+            env = dict(os.environ)
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            root = str(Path(__file__).resolve().parents[1])
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+            cmd = [sys.executable, "-m", "trl_ext.builtin_env_model", "--build-into", str(tmp)]
+            if subprocess.run(cmd, env=env).returncode != 0:
+                raise RuntimeError(f"building the builtin_env model failed: {' '.join(cmd)}")
+            tmp.chmod(0o755)
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build (once) and show the builtin_env model.")
+    parser.add_argument("--rebuild", action="store_true")
+    parser.add_argument("--build-into", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.build_into is not None:
+        build_into(args.build_into)
+        return
+    path = ensure_builtin_env(rebuild=args.rebuild)
+    print(path)
+    print((path / "build_info.json").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Environment training (RAGEN, early 2025): env prompts, env rewards, multi-turn rollouts, estimators.
+
+- Prompts: one dataset row per level seed; the observation of ``env.reset(seed)`` as plain text
+  (``observation + "\\n"``, what ``Trajectory.history_text`` gives) for models without a chat template,
+  or system instructions + observation as chat messages for instruct models.
+- Rollouts go through TRL's ``rollout_func`` hook, single- and multi-turn alike: per turn the policy
+  generates with the trainer's own generation path; the sampled tokens are cut right after the first
+  ``</answer>`` (RAGEN's response post-processing; the parser rejects text after it); ``--no_think_rl``
+  replaces them by ``<answer>X</answer>`` (RAGEN's ``no_think_rl``); the environment's reply is appended
+  as the next turn, up to ``--max_turns`` turns. The completion is agent and environment tokens in order;
+  ``env_mask`` (TRL's tool mask: 1 = trained, 0 = not) excludes the environment tokens from the loss.
+  A finished trajectory is closed with an EOS that is not trained on.
+- Reward: the sum of the episode's step rewards (invalid answers earn the environment's penalty).
+- ``--adv_estimator grpo|brpo|arpo`` replaces TRL's advantage with ``trl_ext.advantages``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from datasets import Dataset
+
+from environments.base import SEPARATOR, Trajectory, check_max_turns, env_class, feedback_text, make_env
+from environments.base import no_think_rewrite
+from trl_ext.advantages import ADV_ESTIMATORS, compute_advantages
+from trl_ext.registry import ConfigError
+
+# Level seeds: RL and SFT training levels start at TRAIN_LEVELS, held-out validation levels at
+# HELDOUT_LEVELS (the builtin_env pretraining corpus uses seeds from 1_000_000 on).
+TRAIN_LEVELS = 0
+HELDOUT_LEVELS = 100_000
+_CLOSE_ANSWER = re.compile(r"<\s*/\s*answer\s*>", re.IGNORECASE)
+
+
+@dataclass
+class EnvArgs:
+    env: str = field(
+        default="",
+        metadata={"help": "Train on a text environment (RAGEN): two_armed_bandit, sokoban, frozenlake, arithmetic, "
+                  "prisoners_dilemma. Replaces --reward: the reward is the episode's summed step rewards."},
+    )  # fmt: skip
+    max_turns: int | None = field(
+        default=None, metadata={"help": "Turns per episode (RAGEN max_turns); default: the environment's own."}
+    )
+    adv_estimator: str = field(
+        default="",
+        metadata={"help": "Advantage estimator replacing TRL's: grpo (per group), brpo (whole batch), arpo (raw "
+                  "reward) (RAGEN; trl_ext/advantages.py). Empty: TRL's advantage (--scale_rewards)."},
+    )  # fmt: skip
+    no_think_rl: bool = field(
+        default=False, metadata={"help": "RAGEN no_think_rl: train on the bare <answer>X</answer> of each response."}
+    )
+
+    def validate_env(self) -> None:
+        if self.adv_estimator:
+            ADV_ESTIMATORS.get(self.adv_estimator)  # ConfigError listing the estimators
+            if self.multi_objective_aggregation != "sum_then_normalize":
+                raise ConfigError("--adv_estimator needs --multi_objective_aggregation sum_then_normalize")
+        if self.max_turns is not None:
+            check_max_turns(self.max_turns)
+        if not self.env:
+            for flag, on in (("--max_turns", self.max_turns is not None), ("--no_think_rl", self.no_think_rl)):
+                if on:
+                    raise ConfigError(f"{flag} needs --env")
+            return
+        cls = env_class(self.env)  # ConfigError listing the environments
+        if cls.single_step and self.max_turns not in (None, 1):
+            raise ConfigError(f"environment {self.env!r} is single-step: --max_turns must be 1, got {self.max_turns}")
+
+    @property
+    def turns(self) -> int:
+        return self.max_turns if self.max_turns is not None else env_class(self.env).max_turns_default
+
+
+def uses_chat(tokenizer) -> bool:
+    """Instruct models (a chat template) get chat prompts; plain models (the builtin ones) plain text."""
+    return getattr(tokenizer, "chat_template", None) is not None
+
+
+def env_prompt(env, observation: str, tokenizer):
+    if uses_chat(tokenizer):
+        return [{"role": "system", "content": env.instructions}, {"role": "user", "content": observation}]
+    return observation + SEPARATOR
+
+
+def env_dataset(env_name: str, n: int, tokenizer, start: int = TRAIN_LEVELS) -> Dataset:
+    """``n`` rows (``prompt``, ``env_seed``) for the levels seeded ``start .. start + n - 1``."""
+    env = make_env(env_name)
+    seeds = list(range(start, start + n))
+    return Dataset.from_dict({"prompt": [env_prompt(env, env.reset(s), tokenizer) for s in seeds], "env_seed": seeds})
+
+
+def env_reward(completions, env_return, **kwargs) -> list[float]:
+    """TRL reward function: the episode return computed during the rollout (sum of step rewards)."""
+    return [float(r) for r in env_return]
+
+
+def cut_after_answer(ids: list[int], tokenizer) -> tuple[list[int], bool]:
+    """The shortest prefix of ``ids`` whose decoding holds a closing answer tag, and whether one was found."""
+    if not _CLOSE_ANSWER.search(tokenizer.decode(ids, skip_special_tokens=True)):
+        return ids, False
+    for k in range(1, len(ids) + 1):
+        if _CLOSE_ANSWER.search(tokenizer.decode(ids[:k], skip_special_tokens=True)):
+            return ids[:k], True
+    raise AssertionError("unreachable")
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_env_text(tokenizer, messages: list[dict], agent: str, env_reply: str) -> str:
+    """The rendered text between an agent turn's content and the next generation start (chat models)."""
+    head = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    turns = messages + [{"role": "assistant", "content": agent}, {"role": "user", "content": env_reply}]
+    full = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    if not full.startswith(head + agent):
+        raise ValueError("the chat template does not render the agent's turn verbatim after the prompt; "
+                         "multi-turn token bookkeeping needs it to")  # fmt: skip
+    return full[len(head) + len(agent) :]
+
+
+def env_rollout(prompts: list, trainer) -> dict:
+    """TRL ``rollout_func``: play one episode per prompt (seeds from the batch rows) and return its tokens."""
+    args, tok = trainer.args, trainer.processing_class
+    seeds = [row["env_seed"] for row in trainer._env_rows]
+    envs = [make_env(args.env) for _ in seeds]
+    trajs = [Trajectory(s, e.reset(s)) for e, s in zip(envs, seeds, strict=True)]
+    chat = not isinstance(prompts[0], str)
+    msgs = [list(p) for p in prompts] if chat else None
+    prompt_ids = [
+        _encode(tok, tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) if chat else p)
+        for p in prompts
+    ]
+    completion = [[] for _ in prompts]
+    mask = [[] for _ in prompts]
+    closed = [False] * len(prompts)
+    active = list(range(len(prompts)))
+    for turn in range(args.turns):
+        generated, _ = trainer._generate_single_turn([prompt_ids[i] + completion[i] for i in active], None, {}, 1)
+        for i, ids in zip(active, generated, strict=True):
+            ids, closed[i] = cut_after_answer(list(ids), tok)
+            text = tok.decode(ids, skip_special_tokens=True)
+            if args.no_think_rl:
+                text = no_think_rewrite(text)
+                ids, closed[i] = _encode(tok, text), True
+            result = envs[i].step(text)
+            trajs[i].add(text, result)
+            completion[i] += ids
+            mask[i] += [1] * len(ids)
+            if not result.done and turn + 1 < args.turns:
+                reply = feedback_text(result)
+                env_text = chat_env_text(tok, msgs[i], text, reply) if chat else SEPARATOR + reply + SEPARATOR
+                if chat:
+                    msgs[i] += [{"role": "assistant", "content": text}, {"role": "user", "content": reply}]
+                env_ids = _encode(tok, env_text)
+                completion[i] += env_ids
+                mask[i] += [0] * len(env_ids)
+        active = [i for i in active if not trajs[i].done]
+        if not active:
+            break
+    eos = tok.eos_token_id
+    for i in range(len(prompts)):
+        if closed[i] and (not completion[i] or completion[i][-1] != eos):
+            completion[i].append(eos)  # close the episode; not trained on
+            mask[i].append(0)
+    _log_episodes(trainer, trajs)
+    return {
+        "prompt_ids": prompt_ids,
+        "completion_ids": completion,
+        "logprobs": None,
+        "env_mask": mask,
+        "env_return": [t.total_reward for t in trajs],
+    }
+
+
+def _log_episodes(trainer, trajs: list[Trajectory]) -> None:
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    n = len(trajs)
+    metrics["env/success"].append(sum(t.success for t in trajs) / n)
+    metrics["env/invalid_frac"].append(sum(t.n_invalid for t in trajs) / sum(len(t.turns) for t in trajs))
+    metrics["env/turns"].append(sum(len(t.turns) for t in trajs) / n)
+    words = env_class(trainer.args.env).action_words
+    if all(len(w) > 1 for w in words):  # action words (not arithmetic's characters): first-move frequencies
+        first = [t.turns[0].info["action"] for t in trajs]
+        for w in words:
+            metrics[f"env/first_action/{w}"].append(first.count(w) / n)
+
+
+class EnvMixin:
+    """GRPOTrainer hooks: the environment rollout (when ``--env``) and the advantage estimator override."""
+
+    def __init__(self, *args, **kwargs):
+        cfg = kwargs.get("args")
+        if cfg is not None and getattr(cfg, "env", ""):
+            if kwargs.get("rollout_func") is not None:
+                raise ValueError("--env provides the rollout_func; do not pass another")
+            kwargs["rollout_func"] = env_rollout
+        super().__init__(*args, **kwargs)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        self._env_rows = inputs  # env_rollout reads each row's env_seed (same order as the prompts)
+        batch = super()._generate_and_score_completions(inputs)
+        if self.args.adv_estimator:
+            batch["advantages"] = self.estimator_advantages(len(inputs))
+        return batch
+
+    def estimator_advantages(self, n_local: int) -> torch.Tensor:
+        """``--adv_estimator`` on the weighted reward sum of the whole (all-process) batch, local slice."""
+        per_func = self._rewards_per_func
+        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+        group = self.num_generations if self.model.training else self.num_generations_eval
+        adv = compute_advantages(self.args.adv_estimator, rewards, group)
+        start = self.accelerator.process_index * n_local
+        return adv[start : start + n_local]

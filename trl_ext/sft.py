@@ -1,0 +1,161 @@
+"""``--mode sft`` (RAGEN early 2025, SFT mode): supervised fine-tuning on BFS-optimal trajectories.
+
+1. Data: the BFS solver's shortest action path (``environments.solvers.shortest_actions``) on the
+   ``--sft_train_size`` training levels (seeds ``TRAIN_LEVELS ..``); one (prompt, completion) record per
+   step, the prompt being the episode so far as the policy sees it (plain text, or chat messages for a
+   model with a chat template) and the completion ``<answer>action</answer>``.
+2. Training: TRL's SFTTrainer, completion-only loss, LoRA (``--lora_rank``) or full, ``--sft_epochs``
+   epochs at ``--lr``; the result (LoRA merged) is saved to ``<run dir>/model``: pass that directory as
+   ``--model`` to start an RL run from it.
+3. Validation: greedy rollouts on ``--sft_test_size`` held-out levels (seeds ``HELDOUT_LEVELS ..``) for
+   up to ``--max_turns`` turns, before and after training; success rate and mean return in
+   ``run_summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from dataclasses import dataclass, field
+
+from environments.base import Trajectory, answer_text, env_class, make_env, run_episodes, truncate_after_answer
+from environments.solvers import shortest_actions, solver_env_names
+from trl_ext.env_trainer import HELDOUT_LEVELS, TRAIN_LEVELS, uses_chat
+from trl_ext.registry import ConfigError
+
+MODES = ("rl", "sft")
+
+
+@dataclass
+class SFTArgs:
+    mode: str = field(default="rl", metadata={"help": "rl (GRPO) or sft (RAGEN SFT mode on BFS trajectories; --env)."})
+    sft_train_size: int = field(default=2000, metadata={"help": "SFT mode: training levels solved by BFS."})
+    sft_test_size: int = field(default=200, metadata={"help": "SFT mode: held-out levels of the validation rollout."})
+    sft_epochs: float = field(default=5.0, metadata={"help": "SFT mode: epochs over the BFS records."})
+
+    def validate_sft(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for flag in ("sft_train_size", "sft_test_size"):
+            if getattr(self, flag) < 1:
+                raise ConfigError(f"--{flag} must be >= 1, got {getattr(self, flag)}")
+        if not self.sft_epochs > 0:
+            raise ConfigError(f"--sft_epochs must be > 0, got {self.sft_epochs}")
+        if self.mode == "sft":
+            if not self.env:
+                raise ConfigError(f"--mode sft needs --env (one with a BFS solver: {', '.join(solver_env_names())})")
+            if not env_class(self.env).has_solver:
+                raise ConfigError(f"--mode sft: environment {self.env!r} has no BFS solver; "
+                                  f"environments with one: {', '.join(solver_env_names())}")  # fmt: skip
+
+
+def _prompt(traj: Trajectory, env, chat: bool):
+    return traj.messages(system=env.instructions) if chat else traj.history_text()
+
+
+def sft_records(env_name: str, n: int, start: int, chat: bool) -> list[dict]:
+    """(prompt, completion) records along the BFS paths of levels ``start .. start + n - 1``."""
+    env = make_env(env_name)
+    records = []
+    for seed in range(start, start + n):
+        traj = Trajectory(seed, env.reset(seed))
+        for action in shortest_actions(env):
+            answer = answer_text(action)
+            completion = [{"role": "assistant", "content": answer}] if chat else answer
+            records.append({"prompt": _prompt(traj, env, chat), "completion": completion})
+            traj.add(answer, env.step(answer))
+    return records
+
+
+def model_policy(model, tokenizer, env, max_new_tokens: int, do_sample: bool = False):
+    """A ``run_episodes`` policy: generate from each history, cut after the first ``</answer>``."""
+    import torch
+
+    chat = uses_chat(tokenizer)
+
+    def policy(trajs: list[Trajectory]) -> list[str]:
+        texts = [_prompt(t, env, chat) for t in trajs]
+        if chat:
+            texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in texts]
+        enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+        new = out[:, enc["input_ids"].shape[1] :]
+        return [truncate_after_answer(tokenizer.decode(g, skip_special_tokens=True)) for g in new]
+
+    return policy
+
+
+def validate(model, tokenizer, env_name: str, n: int, max_turns: int, max_new_tokens: int, batch: int = 50) -> dict:
+    """Greedy rollouts on the held-out levels ``HELDOUT_LEVELS .. + n - 1``: success rate, mean return."""
+    trajs = []
+    model.eval()
+    for lo in range(0, n, batch):
+        seeds = list(range(HELDOUT_LEVELS + lo, HELDOUT_LEVELS + min(n, lo + batch)))
+        envs = [make_env(env_name) for _ in seeds]
+        trajs += run_episodes(envs, model_policy(model, tokenizer, envs[0], max_new_tokens), seeds, max_turns)
+    return {
+        "levels": n,
+        "success_rate": sum(t.success for t in trajs) / n,
+        "mean_return": sum(t.total_reward for t in trajs) / n,
+        "invalid_frac": sum(t.n_invalid for t in trajs) / sum(len(t.turns) for t in trajs),
+    }
+
+
+def run_sft(plan) -> int:
+    """SFT mode of train.py: data, SFTTrainer, merged save, validation before/after; returns 0."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from trl_ext.builtin_env_model import BUILTIN_ENV, ensure_builtin_env
+    from trl_ext.config import LLAMA_PROJECTIONS
+    from trl_ext.models import prepare_tokenizer
+    from trl_ext.runlog import Tee, write_run_config
+
+    run, cfg = plan.run, plan.cfg
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    tee = Tee(plan.run_dir / "train.log")
+    print(f"$ train.py {shlex.join(plan.argv)}\nrun dir: {plan.run_dir}", flush=True)
+    write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
+    model_path = str(ensure_builtin_env()) if run.model == BUILTIN_ENV else run.model
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_path))
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    records = sft_records(cfg.env, cfg.sft_train_size, TRAIN_LEVELS, uses_chat(tokenizer))
+    print(f"sft: {len(records)} records from {cfg.sft_train_size} BFS-solved levels", flush=True)
+    val_args = (cfg.env, cfg.sft_test_size, cfg.turns, cfg.max_completion_length)
+    before = validate(model, tokenizer, *val_args)
+    print(f"validation before SFT: {before}", flush=True)
+    peft_config = None
+    if run.lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=run.lora_rank, lora_alpha=run.lora_alpha, target_modules=list(LLAMA_PROJECTIONS),
+                                 task_type="CAUSAL_LM")  # fmt: skip
+    sft_cfg = SFTConfig(
+        output_dir=str(plan.run_dir / "sft"), num_train_epochs=cfg.sft_epochs, learning_rate=cfg.learning_rate,
+        per_device_train_batch_size=cfg.per_device_train_batch_size, logging_steps=cfg.logging_steps,
+        save_strategy="no", report_to=[] if run.no_wandb else ["wandb"], seed=cfg.seed, bf16=cfg.bf16,
+        max_length=None, lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps,
+    )  # fmt: skip
+    trainer = SFTTrainer(model=model, args=sft_cfg, train_dataset=Dataset.from_list(records),
+                         processing_class=tokenizer, peft_config=peft_config)  # fmt: skip
+    start = time.time()
+    result = trainer.train()
+    model = trainer.model.merge_and_unload() if run.lora_rank else trainer.model
+    model_dir = plan.run_dir / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    after = validate(model, tokenizer, *val_args)
+    print(f"validation after SFT: {after}", flush=True)
+    summary = {
+        "status": "done", "mode": "sft", "run_name": cfg.run_name, "env": cfg.env, "records": len(records),
+        "train_loss": result.training_loss, "wall_s": round(time.time() - start, 1),
+        "validation_before": before, "validation_after": after, "model_dir": str(model_dir),
+    }  # fmt: skip
+    (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"done: {plan.run_dir} (RL from it: --model {model_dir})", flush=True)
+    tee.close()
+    return 0
