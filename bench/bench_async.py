@@ -6,7 +6,11 @@ prompts and seed, 2 torch threads in total (with k = 1 the generator thread gets
 each; samples/s = completions trained per second of wall time from the end of the warm-up steps to the last step.
 The load average is printed with the result: on a shared machine the ratio is only as good as the quiet it ran in.
 
-    uv run python bench/bench_async.py            # prints both rates and the ratio (goal >= 1.6, ceiling 2)
+    uv run python bench/bench_async.py            # prints the rates and the ratio (goal >= 1.6)
+
+A third run, k = 0 on 1 thread, is printed for reference: for a model this small, 2 OpenMP threads can be slower
+than 1, which is what lets the ratio pass 2 (the 1 + 1 split of k = 1 avoids that overhead as well as overlapping
+generation with training).
 """
 
 from __future__ import annotations
@@ -64,22 +68,25 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="steps before the clock starts")
     ap.add_argument("--model", default="builtin", help="'builtin' or a builtin-shaped model directory")
     ap.add_argument("--threads", type=int, default=2, help="torch threads in total (k = 1 splits them)")
-    ap.add_argument("--levels", default="0,1", help="max_async_level values to run (the ratio needs 0 and 1)")
+    ap.add_argument("--no_reference", action="store_true", help="skip the k = 0 run with 1 thread")
     args = ap.parse_args()
     source = model_source(args.model)
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(source))
     dataset = load_prompts("builtin", tokenizer, 8, "train", 1024, 42)  # the builtin held-out stories
+    runs = [(0, args.threads), (1, args.threads)] + ([] if args.no_reference else [(0, 1)])
     load_before = os.getloadavg()
     rates = {}
     with tempfile.TemporaryDirectory() as out:
-        for k in [int(x) for x in args.levels.split(",")]:
-            rates[k] = samples_per_s(k, source, tokenizer, dataset, args.steps, args.warmup, out, args.threads)
-            print(f"max_async_level {k}: {rates[k]:.1f} samples/s", flush=True)
+        for k, threads in runs:
+            rates[k, threads] = samples_per_s(k, source, tokenizer, dataset, args.steps, args.warmup, out, threads)
+            print(f"max_async_level {k}, {threads} torch thread(s): {rates[k, threads]:.1f} samples/s", flush=True)
     load_after = os.getloadavg()
-    if 0 in rates and 1 in rates:
-        print(f"ratio k=1 / k=0 = {rates[1] / rates[0]:.2f}  (goal >= 1.6)")
-    print(f"{args.steps} steps each, {args.threads} torch threads, load average {load_before[0]:.2f} before, "
-          f"{load_after[0]:.2f} after, on {os.cpu_count()} CPUs")  # fmt: skip
+    async_rate = rates[1, args.threads]
+    print(f"ratio k=1 / k=0 = {async_rate / rates[0, args.threads]:.2f}  (goal >= 1.6; both on {args.threads} threads)")
+    if not args.no_reference:  # tiny models can run faster on 1 thread than on 2: the synchronous run at its best
+        print(f"reference: k=1 / k=0 on 1 thread = {async_rate / rates[0, 1]:.2f}")
+    print(f"{args.steps} steps each, load average {load_before[0]:.2f} before, {load_after[0]:.2f} after, "
+          f"on {os.cpu_count()} CPUs")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def sample_final(ckpt: Path, n: int = 64) -> dict:
 
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(ckpt))
     model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
-    prompts = load_prompts("builtin", tok, 8, "test", n, seed=0)["prompt"]
+    prompts = list(load_prompts("builtin", tok, 8, "test", n, seed=0)["prompt"])
     enc = tok(prompts, add_special_tokens=False, return_tensors="pt", padding=True)
     torch.manual_seed(0)
     with torch.no_grad():

@@ -105,7 +105,7 @@ HEADER = ("| arm | mode | task reward (sentence_length_5) | hack rate (happy det
 def calibrate(out: Path, steps: int) -> str:
     lines = ["## Calibration (baseline alone)", "", f"Baseline dual LoRA ({RANK}, 0), {steps} steps; final routing eval "
              "(mode both = the trained model, forget_only = the untrained base model).", "",
-             "| setting | train reward first -> last log | task reward | hack rate | combined | base model combined |",
+             "| setting | train reward, first -> last logged (10-step means) | task reward | hack rate | combined | base model combined |",
              "|---|---|---|---|---|---|"]
     for setting in SETTINGS:
         target = train(out, "baseline", setting, steps)
@@ -116,8 +116,12 @@ def calibrate(out: Path, steps: int) -> str:
     return "\n".join(lines)
 
 
-def report(out: Path, setting: str, steps: int, wall: dict) -> str:
-    lines = [f"## Routed vs baseline ({setting}, {steps} steps)", "", HEADER]
+def report(out: Path, setting: str, steps: int) -> str:
+    lines = [f"## Routed vs baseline ({setting}, {steps} steps)", "",
+             f"Reward {REWARD} (task {TASK} + 0.25 * min(happy_count, 2)), detector happy. Flags shared by both arms: "
+             f"`{' '.join(common(steps) + SETTINGS[setting])}`; routed: `{' '.join(flags('routed', setting, steps)[len(common(steps)):])}`; "
+             f"baseline: `{' '.join(flags('baseline', setting, steps)[len(common(steps)):])}`. Final routing eval on 128 "
+             "held-out prompts (one sample each, same seed in every mode).", "", HEADER]
     for arm in ("routed", "baseline"):
         target = run_dir(out, arm, setting, steps)
         rec = final_eval(target)
@@ -131,8 +135,17 @@ def report(out: Path, setting: str, steps: int, wall: dict) -> str:
         lines.append(f"- step {r['step']}: {m['both']['rh_rate']:.3f} / {m['retain_only']['rh_rate']:.3f} / "
                      f"{m['forget_only']['rh_rate']:.3f}; task {m['both'][f'reward/{TASK}']:.3f} / "
                      f"{m['retain_only'][f'reward/{TASK}']:.3f} / {m['forget_only'][f'reward/{TASK}']:.3f}")
-    if wall:
-        lines += ["", "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items())]
+    lines += ["", "Training batches (TRL's logged 10-step means): detector rate first -> last log; wall time:", ""]
+    for arm in ("routed", "baseline"):
+        target = run_dir(out, arm, setting, steps)
+        state = json.loads(next(target.glob("checkpoint-*/trainer_state.json")).read_text())
+        rates = [h["rh_rate"] for h in state["log_history"] if "rh_rate" in h]
+        wall = json.loads((target / "run_summary.json").read_text())["wall_s"]
+        lines.append(f"- {arm}: rh_rate {rates[0]:.3f} -> {rates[-1]:.3f}; {wall:.0f} s")
+    lines += ["", "Last training sample of each arm (prompt ||| completion):", ""]
+    for arm in ("routed", "baseline"):
+        log = (run_dir(out, arm, setting, steps) / "train.log").read_text()
+        lines.append(f"- {arm}: `{log[log.rindex('[Sample @'):].splitlines()[0]}`")
     return "\n".join(lines)
 
 
@@ -140,8 +153,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phase", choices=["calibrate", "run", "report"], required=True)
     ap.add_argument("--setting", choices=list(SETTINGS), default="head_lr3e-3")
-    ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--calibration_steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--calibration_steps", type=int, default=40)
     ap.add_argument("--output_dir", default=str(ROOT / "output" / "routing_experiment"))
     args = ap.parse_args()
     out = Path(args.output_dir)
@@ -151,13 +164,10 @@ def main():
         (out / "calibration.md").write_text(text + "\n")
         print(text)
         return
-    wall = {}
     if args.phase == "run":
         for arm in ("baseline", "routed"):
-            t0 = time.time()
             train(out, arm, args.setting, args.steps)
-            wall[arm] = time.time() - t0
-    text = report(out, args.setting, args.steps, wall)
+    text = report(out, args.setting, args.steps)
     calibration = out / "calibration.md"
     full = "# Gradient routing experiment (builtin model)\n\n" + text
     if calibration.is_file():

@@ -11,6 +11,11 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# One thread for the in-process tests (tiny tensors: faster, and the same in every test order);
+# train.py subprocesses choose their own.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,3 +43,20 @@ def builtin_path(builtin_cache):
     from trl_ext.builtin_model import ensure_builtin
 
     return ensure_builtin()
+
+
+@pytest.fixture
+def train_cli_error(capsys, monkeypatch):
+    """``run(*argv)``: train.py's main on ``argv`` must exit 2 with a one-line ``train.py: error: ...``
+    before `run_training` (which loads the model) is reached; returns the error line."""
+    import trl_ext.cli_train as cli
+
+    monkeypatch.setattr(cli, "run_training", lambda plan: pytest.fail("run_training reached"))
+
+    def run(*argv: str) -> str:
+        assert cli.main(list(argv)) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("train.py: error: "), err
+        return err
+
+    return run

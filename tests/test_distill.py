@@ -22,7 +22,6 @@ from trl_ext.distill import (
 )
 from trl_ext.registry import ConfigError
 
-torch.set_num_threads(1)
 X = float("nan")
 
 

@@ -17,7 +17,6 @@ from trl_ext.registry import ConfigError
 from trl_ext.routing import apply_dual_lora, dual_lora_modules, save_layout
 
 ROOT = Path(__file__).resolve().parents[1]
-torch.set_num_threads(1)
 
 
 # --------------------------------------------------------------------------- diversity

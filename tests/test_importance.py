@@ -17,7 +17,6 @@ from trl_ext.importance import (
 )
 from trl_ext.registry import ConfigError
 
-torch.set_num_threads(1)
 F64 = torch.float64
 INF_CFG = {  # the masks and clips removed outright
     "token_mask_low": 0.0, "token_mask_high": math.inf, "sequence_mask_low": 0.0, "sequence_mask_high": math.inf,

@@ -18,7 +18,6 @@ from trl_ext.offpolicy import (
     sample,
 )
 
-torch.set_num_threads(1)
 VOCAB, EOS = 64, 1
 
 

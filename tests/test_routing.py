@@ -15,7 +15,6 @@ from trl_ext.routing import (
 )
 from trl_ext.routing_step import routing_mask
 
-torch.set_num_threads(1)
 D = torch.float64
 
 

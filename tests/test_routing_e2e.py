@@ -28,7 +28,7 @@ def test_train_with_routing_on_builtin(builtin_path, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     name = ("sentence_length_5_with_happy_builtin_lr1e-3_b0.02_bs8_ng4_dual_r2f2_st4_s42_gradient_routingtrue"
-            "_lora_configr2_max_completion_length16_routing_modeshared")
+            "_max_completion_length16_routing_modeshared")
     run_dir = tmp_path / name
     assert [p.name for p in tmp_path.iterdir()] == [name]
 

@@ -11,7 +11,6 @@ from trl_ext.routing_step import (
     single_pass_backward, two_pass_backward,
 )
 
-torch.set_num_threads(1)
 D = torch.float64
 N = 6
 PATTERNS = {  # is_bad per sample

@@ -20,7 +20,6 @@ from trl_ext.routing_step import routing_labels
 from trl_ext.routing_trainer import AdaptersDisabledReference, build_dual_lora_model
 from trl_ext.trainer import ExtGRPOTrainer
 
-torch.set_num_threads(2)
 SEED = 42
 
 

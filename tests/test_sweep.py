@@ -66,9 +66,9 @@ def test_bad_sweeps_exit_2_before_launch(capsys, monkeypatch, argv, needle):
     assert err.count("\n") == 0 and err.startswith("sweep.py: error: ") and needle in err, err
 
 
-def test_reward_required(capsys):
+def test_missing_reward_is_train_py_s_error(capsys):
     assert sw.main(["--grid", "seed=1,2", "--dry_run"]) == 2
-    assert "needs a reward" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("sweep.py: error: run 1 (seed=1): --reward is required")
 
 
 def test_resources_gpu_and_cpu():
@@ -99,6 +99,8 @@ def test_child_env_and_mps(tmp_path):
     res = sw.Resources(["3"], 2, 4, None)
     env = sw.child_env({"PATH": "/bin"}, res, "3")
     assert (env["CUDA_VISIBLE_DEVICES"], env["OMP_NUM_THREADS"], env["MKL_NUM_THREADS"]) == ("3", "4", "4")
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["PATH"] == "/bin"
+    assert sw.child_env({"OMP_WAIT_POLICY": "ACTIVE"}, res, "3")["OMP_WAIT_POLICY"] == "ACTIVE"
     assert "CUDA_VISIBLE_DEVICES" not in sw.child_env({}, sw.Resources([], 2, 1, None), "cpu")
     assert sw.mps_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}) is None
     (tmp_path / "control").touch()
@@ -121,15 +123,18 @@ def test_sweep_file_linked_grids_and_overrides(tmp_path):
 
 
 def test_shipped_sweep_files():
-    counts = {"seed004_beta_seed": 6, "search_group1_batch_rollout": 9, "search_group2_lr": 4, "search_group3_kl": 6,
-              "search_group4_turns_temperature": 9}  # fmt: skip
+    counts = {"seed004_beta_seed": 3 * 2, "search_group1_batch_rollout": 3 * 3, "search_group2_lr": 4,
+              "search_group3_kl": 6, "search_group4_turns_temperature": 3 * 3}  # fmt: skip
     assert sorted(p.stem for p in (ROOT / "sweeps").glob("*.yaml")) == sorted(counts)
     for stem, n in counts.items():
-        path = ROOT / "sweeps" / f"{stem}.yaml"
-        try:
-            assert len(sw.plan_runs(sw.build_spec(sw.SweepArgs(config=str(path))))) == n
-        except ConfigError as e:  # only allowed for flags the file declares under `needs`
-            assert "needs train.py flags this version does not have" in str(e) and "--max_turns" in str(e), stem
+        assert len(sw.plan_runs(sw.build_spec(sw.SweepArgs(config=str(ROOT / "sweeps" / f"{stem}.yaml"))))) == n
+
+
+def test_sweep_file_needs_flags(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("needs: [seed, no_such_flag]\nreward: happy_binary\n")
+    with pytest.raises(ConfigError, match="needs train.py flags this version does not have: --no_such_flag$"):
+        sw.build_spec(sw.SweepArgs(config=str(path)))
 
 
 # --------------------------------------------------------------------------- the run loop, fake children

@@ -12,85 +12,69 @@ import trl_ext.cli_train as cli
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def no_training(monkeypatch):
-    def forbidden(plan):
-        raise AssertionError("run_training reached: validation should have failed first")
-
-    monkeypatch.setattr(cli, "run_training", forbidden)
-
-
-def _fail(capsys, *argv) -> str:
-    assert cli.main(list(argv)) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0, f"expected a one-line error, got:\n{err}"
-    assert err.startswith("train.py: error: ")
-    return err
-
-
 def _yaml(tmp_path, text) -> str:
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     return str(path)
 
 
-def test_unknown_reward_lists_names(capsys):
-    err = _fail(capsys, "--reward", "nope")
+def test_unknown_reward_lists_names(train_cli_error):
+    err = train_cli_error("--reward", "nope")
     assert "nope" in err and "happy_binary" in err and "sentence_length_5" in err
 
 
-def test_unknown_eval_reward(capsys):
-    err = _fail(capsys, "--reward", "happy_binary", "--eval_rewards", "happy_count,nope")
+def test_unknown_eval_reward(train_cli_error):
+    err = train_cli_error("--reward", "happy_binary", "--eval_rewards", "happy_count,nope")
     assert "nope" in err
 
 
-def test_unknown_reward_function_in_yaml(capsys, tmp_path):
+def test_unknown_reward_function_in_yaml(train_cli_error, tmp_path):
     cfg = _yaml(tmp_path, "rewards:\n  r:\n    fn: no_such_fn\n")
-    err = _fail(capsys, "--reward", "r", "--config", cfg)
+    err = train_cli_error("--reward", "r", "--config", cfg)
     assert "no_such_fn" in err and "happy_binary" in err
 
 
-def test_unknown_detector_in_yaml(capsys, tmp_path):
+def test_unknown_detector_in_yaml(train_cli_error, tmp_path):
     cfg = _yaml(tmp_path, "rewards:\n  r:\n    fn: happy_binary\ndetectors:\n  d:\n    fn: no_such_detector\n")
-    err = _fail(capsys, "--reward", "r", "--config", cfg)
+    err = train_cli_error("--reward", "r", "--config", cfg)
     assert "no_such_detector" in err
 
 
-def test_unknown_param(capsys, tmp_path):
+def test_unknown_param(train_cli_error, tmp_path):
     cfg = _yaml(tmp_path, "rewards:\n  r:\n    fn: sentence_length\n    params: {target: 5, colour: red}\n")
-    err = _fail(capsys, "--reward", "r", "--config", cfg)
+    err = train_cli_error("--reward", "r", "--config", cfg)
     assert "colour" in err
 
 
-def test_malformed_yaml(capsys, tmp_path):
+def test_malformed_yaml(train_cli_error, tmp_path):
     cfg = _yaml(tmp_path, "rewards:\n  r: [unclosed\n")
-    err = _fail(capsys, "--reward", "r", "--config", cfg)
+    err = train_cli_error("--reward", "r", "--config", cfg)
     assert "bad.yaml" in err
 
 
-def test_missing_config_file(capsys, tmp_path):
-    err = _fail(capsys, "--reward", "happy_binary", "--config", str(tmp_path / "none.yaml"))
+def test_missing_config_file(train_cli_error, tmp_path):
+    err = train_cli_error("--reward", "happy_binary", "--config", str(tmp_path / "none.yaml"))
     assert "none.yaml" in err
 
 
-def test_batch_not_divisible(capsys):
-    err = _fail(capsys, "--reward", "happy_binary", "--batch_size", "30", "--num_generations", "16")
+def test_batch_not_divisible(train_cli_error):
+    err = train_cli_error("--reward", "happy_binary", "--batch_size", "30", "--num_generations", "16")
     assert "30" in err and "16" in err and "divisible" in err
 
 
-def test_num_generations_below_two(capsys):
-    err = _fail(capsys, "--reward", "happy_binary", "--num_generations", "1", "--batch_size", "4")
+def test_num_generations_below_two(train_cli_error):
+    err = train_cli_error("--reward", "happy_binary", "--num_generations", "1", "--batch_size", "4")
     assert "num_generations" in err
 
 
 @pytest.mark.parametrize("lr", ["0", "-1e-4"])
-def test_non_positive_lr(capsys, lr):
-    err = _fail(capsys, "--reward", "happy_binary", f"--lr={lr}")
+def test_non_positive_lr(train_cli_error, lr):
+    err = train_cli_error("--reward", "happy_binary", f"--lr={lr}")
     assert "--lr" in err
 
 
-def test_model_path_missing(capsys, tmp_path):
-    err = _fail(capsys, "--reward", "happy_binary", "--model", str(tmp_path / "no_model"))
+def test_model_path_missing(train_cli_error, tmp_path):
+    err = train_cli_error("--reward", "happy_binary", "--model", str(tmp_path / "no_model"))
     assert "no_model" in err
 
 

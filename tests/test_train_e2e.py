@@ -19,7 +19,7 @@ def test_train_few_steps_on_builtin(builtin_path, tmp_path):
         "--reward", "happy_binary", "--model", "builtin", "--lr", "3e-4", "--max_steps", "4",
         "--batch_size", "8", "--num_generations", "4", "--max_completion_length", "16",
         "--logging_steps", "2", "--save_steps", "4", "--eval_rewards", "happy_count,sentence_length_5",
-        "--no_wandb", "--output_dir", str(tmp_path),
+        "--zero_signal_patience", "1", "--no_wandb", "--output_dir", str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True, env=env)
@@ -34,11 +34,14 @@ def test_train_few_steps_on_builtin(builtin_path, tmp_path):
     assert [int(step) for step, _, _ in samples] == [2, 4]
     assert all(prompt.strip() for _, prompt, _ in samples)
     assert "[Sample @ step 4]" in proc.stdout  # the tee also writes to the terminal
+    # the start policy rarely says "happy": some step has no reward spread in any group -> loud warning
+    assert "NO LEARNING SIGNAL: every group had zero reward spread for 1 steps in a row" in log
 
     state = json.loads((run_dir / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4
     logged = [h for h in state["log_history"] if "reward" in h]
     assert [h["step"] for h in logged] == [2, 4]
+    assert any(h["frac_reward_zero_std"] == 1.0 and h["zero_spread_streak"] >= 1 for h in logged)
     for h in logged:
         assert 0.0 <= h["reward"] <= 1.0
         assert "eval_rewards/happy_count" in h and "eval_rewards/sentence_length_5" in h
@@ -68,7 +71,7 @@ def test_train_from_local_path(builtin_path, tmp_path):
     proc = subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "out").iterdir()
-    assert run_dir.name == "happy_binary_my-model_lr1e-5_b0.02_bs4_ng2_full_st1_s42_max_completion_length8"
+    assert run_dir.name == "happy_binary_my-model_lr1e-5_b0.02_bs4_ng2_full_st1_s42_max_completion_length8_promptsbuiltin"
     cfg = yaml.safe_load((run_dir / "run_config.yaml").read_text())
     assert cfg["RunArgs"]["model"] == str(local) and cfg["RunArgs"]["prompts"] == "builtin"
     assert (run_dir / "checkpoint-1" / "model.safetensors").is_file()

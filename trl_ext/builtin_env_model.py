@@ -12,6 +12,10 @@ Llama, same pretraining loop and schedule) from a corpus that adds environment t
   integer in 0..``RANDOM_ANSWER_MAX``). The model thus learns the format and the observation layout, not a
   good policy: the environment experiments start from chance-level behaviour.
 
+One deviation from the builtin tokenizer: its whitespace pre-tokenizer drops line breaks, which end
+every observation and answer here, so a normalizer first rewrites ``"\n"`` to the token ``|`` (a
+symbol no environment prints); without it the model cannot tell where an observation ends.
+
 Cached in ``<cache>/builtin-env-<VERSION>/`` with the builtin model's lock and completeness check.
 CLI: ``uv run python -m trl_ext.builtin_env_model [--rebuild]``.
 """
@@ -32,7 +36,8 @@ from pathlib import Path
 from trl_ext import builtin_model as bm
 
 BUILTIN_ENV = "builtin_env"  # the --model value that selects this model
-VERSION = "v1"
+VERSION = "v2"
+NEWLINE = "|"  # the line-break token (see ``env_tokenizer``)
 STORIES = 5000
 EPISODES_PER_ENV = 2000
 LEVEL_SEED_BASE = 1_000_000
@@ -75,6 +80,16 @@ def corpus() -> list[str]:
     return docs
 
 
+def env_tokenizer(docs: list[str]):
+    """``builtin_model.train_tokenizer`` on ``docs``, with line breaks kept as the ``NEWLINE`` token."""
+    from tokenizers import normalizers
+
+    tokenizer = bm.train_tokenizer([d.replace("\n", f" {NEWLINE} ") for d in docs])
+    backend = tokenizer.backend_tokenizer
+    backend.normalizer = normalizers.Sequence([normalizers.Replace("\n", f" {NEWLINE} "), backend.normalizer])
+    return tokenizer
+
+
 def build_into(out_dir: Path) -> dict:
     """Tokenizer + model + pretraining exactly as ``builtin_model._build``, on ``corpus()``."""
     import torch
@@ -87,7 +102,7 @@ def build_into(out_dir: Path) -> dict:
         print(f"[builtin_env {time.time() - t0:5.0f}s] {msg}", file=sys.stderr, flush=True)
 
     docs = corpus()
-    tokenizer = bm.train_tokenizer(docs)
+    tokenizer = env_tokenizer(docs)
     ids = tokenizer(docs, add_special_tokens=True)["input_ids"]  # each document ends with [EOS]
     lengths = torch.tensor([len(x) for x in ids])
     stream = torch.tensor([t for x in ids for t in x] + [tokenizer.eos_token_id] * bm.SEQ_LEN)

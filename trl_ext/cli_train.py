@@ -83,6 +83,8 @@ def check_env_run(run: RunArgs, cfg: ExtGRPOConfig) -> None:
         return
     if run.reward or run.eval_reward_names:
         raise ConfigError("--env and --reward/--eval_rewards exclude each other: the environment gives the reward")
+    if cfg.dual_lora or cfg.gradient_routing:
+        raise ConfigError("--env runs do not support dual LoRA / gradient routing (no reward-hacking detector)")
     if run.model == "builtin":
         raise ConfigError(f"--env needs --model {BUILTIN_ENV} (or an instruct model): the builtin model's "
                           "tokenizer has no symbols for the environments' text (< > _ * # digits)")  # fmt: skip
@@ -90,7 +92,8 @@ def check_env_run(run: RunArgs, cfg: ExtGRPOConfig) -> None:
 
 def prompt_source(run: RunArgs) -> str:
     """The `model` argument of `environments.stories.load_prompts` for ``--prompts``."""
-    return "builtin" if run.prompts == "builtin" else run.model
+    source = run.prompts or ("builtin" if run.model == "builtin" else "simplestories")
+    return "builtin" if source == "builtin" else run.model
 
 
 def setup_wandb(plan: Plan) -> None:
@@ -156,7 +159,9 @@ def run_training(plan: Plan) -> int:
             r=run.lora_rank, lora_alpha=run.lora_alpha, target_modules=list(LLAMA_PROJECTIONS), task_type="CAUSAL_LM"
         )
     rc = plan.reward_config
-    model, routing_kwargs = routing_setup(run, cfg, rc, model_path, tokenizer)
+    model, routing_kwargs = (model_path, {}) if cfg.env else routing_setup(
+        run, cfg, rc, model_path, tokenizer, prompt_source(run)
+    )
     trainer = ExtGRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,

@@ -60,9 +60,7 @@ class RunArgs:
     rebuild_builtin: bool = field(default=False, metadata={"help": "Rebuild the builtin model before training."})
 
     def __post_init__(self):
-        if self.prompts is None:
-            self.prompts = "builtin" if self.model == "builtin" else "simplestories"
-        if self.prompts not in PROMPT_SOURCES:
+        if self.prompts is not None and self.prompts not in PROMPT_SOURCES:
             raise ConfigError(f"--prompts must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
         if self.prompt_length < 1:
             raise ConfigError(f"--prompt_length must be >= 1, got {self.prompt_length}")

@@ -67,7 +67,8 @@ class DistillArgs:
     eval_baseline: bool = field(default=False, metadata={
         "help": "Before training, sample the student (prompt) and the teacher (context + prompt) on held-out "
                 "prompts and log the task reward and RH detector rates of both."})
-    eval_baseline_prompts: int = field(default=64, metadata={"help": "Held-out prompts (split 'test') of --eval_baseline."})
+    eval_baseline_prompts: int = field(default=64, metadata={
+        "help": "Held-out prompts (split 'test') of --eval_baseline."})
 
     @property
     def distill_on(self) -> bool:
@@ -89,6 +90,8 @@ class DistillArgs:
         if self.eval_baseline and not (self.distill_on or has_teacher_flag):
             raise ConfigError("--eval_baseline compares the student with a teacher: set --teacher_context or "
                               "--teacher_model")
+        if self.eval_baseline and self.use_vllm:
+            raise ConfigError("--eval_baseline samples with transformers' generate: not with --use_vllm")
         if not self.distill_on:
             if self.kl_only_incorrect:
                 raise ConfigError("--kl_only_incorrect needs --teacher_tau > 0 or --student_tau > 0: there is no KL "
@@ -106,7 +109,8 @@ class DistillArgs:
             raise ConfigError(f"distillation scores log-probs at the sampling temperature: --temperature must be > 0, "
                               f"got {self.temperature}")
         if not self.use_full_reward_baseline and self.use_liger_kernel:
-            raise ConfigError("--no_use_full_reward_baseline adds the KL terms in the loss: not with --use_liger_kernel")
+            raise ConfigError("--no_use_full_reward_baseline adds the KL terms in the loss: not with "
+                              "--use_liger_kernel")
 
     def validate_offpolicy(self) -> None:
         """Off-policy's check, with adv_tau read as the distillation's task weight (see the module docstring)."""
@@ -132,6 +136,14 @@ def check_run_distill(run, cfg) -> None:
         from trl_ext.models import resolve_model_arg
 
         resolve_model_arg(cfg.teacher_model)
+    needs = f"--teacher_tau {cfg.teacher_tau} > 0" if cfg.distill_on and cfg.teacher_tau > 0 else (
+        "--eval_baseline" if cfg.eval_baseline else None)
+    if needs and not teacher_available(run, cfg):
+        raise ConfigError(f"{needs} needs a teacher: --teacher_model, adapters (--lora_rank or a dual LoRA config: "
+                          "the base weights teach), or --beta > 0 (a full fine-tune's teacher is then TRL's reference "
+                          "model, the initial weights)")
+    if needs and not (cfg.teacher_model or run.lora_rank or cfg.dual_lora) and cfg.sync_ref_model:
+        raise ConfigError("the teacher is TRL's reference model, which --sync_ref_model moves: set --teacher_model")
     cfg.validate_distill(teacher_available(run, cfg))
 
 
@@ -145,9 +157,11 @@ class DistillMixin:
         self.distill_teacher = None
         self._distill_task = None
         self._distill_loss_inputs = None
-        self._distill_context_ids = encode_context(self.processing_class, self.args.teacher_context)
-        if self.args.teacher_model and (on or self.args.eval_baseline):
-            self.distill_teacher = _load_teacher(self.args.teacher_model, self.model, self.accelerator.device)
+        self._distill_context_ids = []
+        if on or self.args.eval_baseline:
+            self._distill_context_ids = encode_context(self.processing_class, self.args.teacher_context)
+            if self.args.teacher_model:
+                self.distill_teacher = _load_teacher(self.args.teacher_model, self.model, self.accelerator.device)
         if not on:
             return
         if self.accelerator.num_processes != 1:
@@ -226,7 +240,7 @@ class DistillMixin:
         if cfg is None:
             return batch
         mode = "train" if self.model.training else "eval"
-        mask = batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
+        mask = _loss_mask(batch)
         lp_teacher = self.score_teacher(batch) if cfg.teacher_tau > 0 else None
         lp_student = self.student_sampling_logps(batch) if cfg.has_kl else None
         group = self.num_generations if mode == "train" else self.num_generations_eval
@@ -268,7 +282,7 @@ class DistillMixin:
         inputs, self._distill_loss_inputs = self._distill_loss_inputs, None
         if inputs is None:  # not the loss's own forward
             return out
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = _loss_mask(inputs)
         bonus = token_kl_bonus(inputs.get("distill_lp_teacher"), out[0], mask, self.distill_cfg,
                                inputs.get("distill_gate"))
         advantages = inputs["advantages"]
@@ -276,6 +290,10 @@ class DistillMixin:
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["distill/token_bonus"].append((bonus.sum() / mask.sum().clamp(min=1)).item())
         return out
+
+
+def _loss_mask(batch: dict) -> torch.Tensor:
+    return batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
 
 
 def _load_teacher(name: str, policy: nn.Module, device) -> nn.Module:
@@ -313,8 +331,9 @@ def eval_baseline(trainer, prompts: list[str], scorers: dict[str, callable]) -> 
     policy.eval()
     try:
         for side in ("student", "teacher"):
-            scope = trainer.teacher_scope() if side == "teacher" else nullcontext(policy)
-            x, m = trainer.teacher_prompt_ids(prompt_ids, prompt_mask) if side == "teacher" else (prompt_ids, prompt_mask)
+            teacher_side = side == "teacher"
+            scope = trainer.teacher_scope() if teacher_side else nullcontext(policy)
+            x, m = trainer.teacher_prompt_ids(prompt_ids, prompt_mask) if teacher_side else (prompt_ids, prompt_mask)
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), scope as model:
                 torch.manual_seed(trainer.args.seed)
                 out = model.generate(input_ids=x, attention_mask=m, generation_config=trainer.generation_config)

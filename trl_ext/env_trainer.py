@@ -65,9 +65,7 @@ class EnvArgs:
                 if on:
                     raise ConfigError(f"{flag} needs --env")
             return
-        cls = env_class(self.env)  # ConfigError listing the environments
-        if cls.single_step and self.max_turns not in (None, 1):
-            raise ConfigError(f"environment {self.env!r} is single-step: --max_turns must be 1, got {self.max_turns}")
+        env_class(self.env)  # ConfigError listing the environments (single-step ones end after turn 1 anyway)
 
     @property
     def turns(self) -> int:
@@ -107,6 +105,19 @@ def cut_after_answer(ids: list[int], tokenizer) -> tuple[list[int], bool]:
     raise AssertionError("unreachable")
 
 
+_SPLIT_DIGITS = re.compile(r"(?<=\d) (?=\d)")
+
+
+def decode_agent(tokenizer, ids: list[int]) -> str:
+    """The agent's text for ``ids``; digit runs a decoder spaced out ("4 2") are joined ("42") when the
+    joined text encodes to the same tokens (WordPiece with single-digit pre-tokens: the builtin models)."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    joined = _SPLIT_DIGITS.sub("", text)
+    if joined != text and _encode(tokenizer, joined) == _encode(tokenizer, text):
+        return joined
+    return text
+
+
 def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -142,7 +153,7 @@ def env_rollout(prompts: list, trainer) -> dict:
         generated, _ = trainer._generate_single_turn([prompt_ids[i] + completion[i] for i in active], None, {}, 1)
         for i, ids in zip(active, generated, strict=True):
             ids, closed[i] = cut_after_answer(list(ids), tok)
-            text = tok.decode(ids, skip_special_tokens=True)
+            text = decode_agent(tok, ids)
             if args.no_think_rl:
                 text = no_think_rewrite(text)
                 ids, closed[i] = _encode(tok, text), True

@@ -97,7 +97,8 @@ def reward_history(state_path: str | Path) -> list[dict]:
     rows = []
     for h in json.loads(Path(state_path).read_text())["log_history"]:
         if "reward" in h:
-            keep = [k for k in h if k in ("reward", "reward_std", "kl") or k.startswith("eval_rewards/")]
+            parts = sorted(k for k in h if k.startswith("eval_rewards/"))
+            keep = [k for k in ("reward", "reward_std", "kl") if k in h] + parts
             rows.append({"step": h["step"], **{k: h[k] for k in keep}})
     return rows
 

@@ -21,6 +21,9 @@ CORE_FIELDS = (
     "per_device_train_batch_size",
     "num_generations",
     "lora_rank",
+    "lora_config",  # the dual LoRA ranks are in the adapter tag (dual_r{retain}f{forget})
+    "retain_rank",
+    "forget_rank",
     "max_steps",
     "seed",
 )

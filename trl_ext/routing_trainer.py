@@ -57,7 +57,8 @@ class RoutingArgs:
     forget_rank: int | None = field(default=None, metadata={
         "help": "Forget adapter rank (with --retain_rank); 0 without routing = one plain LoRA (the matched baseline)."})
     lora_layer_start: int = field(default=0, metadata={"help": "First decoder layer with dual LoRA adapters."})
-    lora_layer_end: int | None = field(default=None, metadata={"help": "End (exclusive) of the adapted layers; None = all."})
+    lora_layer_end: int | None = field(default=None, metadata={
+        "help": "End (exclusive) of the adapted layers; None = all."})
     lora_layer_stride: int = field(default=1, metadata={"help": "Adapt every k-th layer from --lora_layer_start."})
     lora_lm_head: bool = field(default=False, metadata={
         "help": "Also give the output layer (LM head) both adapters; with routing this needs --routing_two_pass "
@@ -67,13 +68,16 @@ class RoutingArgs:
     rh_eligible_frac: float = field(default=1.0, metadata={
         "help": "Fraction of samples (exact count, seeded per step) whose detection may be routed. Labels only: "
                 "the reward is not changed."})
-    routing_frac: float = field(default=1.0, metadata={"help": "Fraction of detected eligible samples that are routed."})
-    label_noise_frac: float = field(default=0.0, metadata={"help": "Fraction of all samples whose routing label is flipped."})
+    routing_frac: float = field(default=1.0, metadata={
+        "help": "Fraction of detected eligible samples that are routed."})
+    label_noise_frac: float = field(default=0.0, metadata={
+        "help": "Fraction of all samples whose routing label is flipped."})
     routing_two_pass: bool = field(default=False, metadata={
         "help": "Use the two-pass reference step (good samples, then bad samples) instead of the single pass."})
     eval_routing_steps: int = field(default=100, metadata={
         "help": "Run the three-mode routing eval every N steps and at the end (dual LoRA runs); 0 = never."})
-    eval_routing_prompts: int = field(default=64, metadata={"help": "Held-out prompts (split 'test') of the routing eval."})
+    eval_routing_prompts: int = field(default=64, metadata={
+        "help": "Held-out prompts (split 'test') of the routing eval."})
 
     @property
     def dual_lora(self) -> bool:
@@ -163,8 +167,11 @@ def build_dual_lora_model(model_path: str, cfg, alpha: float) -> tuple[nn.Module
     return model, layout
 
 
-def routing_setup(run, cfg, reward_config, model_path: str, tokenizer) -> tuple[str | nn.Module, dict]:
-    """(model for GRPOTrainer, RoutingMixin keyword arguments) of a validated run."""
+def routing_setup(
+    run, cfg, reward_config, model_path: str, tokenizer, prompt_source: str
+) -> tuple[str | nn.Module, dict]:
+    """(model for GRPOTrainer, RoutingMixin keyword arguments) of a validated run; ``prompt_source`` is the
+    ``load_prompts`` source of the training prompts, whose split "test" feeds the routing eval."""
     detector = check_run_routing(run, cfg, reward_config)
     kwargs = {"rh_detector": None if detector is None else (detector, reward_config.detector(detector))}
     if not cfg.dual_lora:
@@ -173,7 +180,7 @@ def routing_setup(run, cfg, reward_config, model_path: str, tokenizer) -> tuple[
     if cfg.eval_routing_steps:
         from environments.stories import load_prompts
 
-        prompts = load_prompts(run.model, tokenizer, run.prompt_length, "test", cfg.eval_routing_prompts, cfg.seed)
+        prompts = load_prompts(prompt_source, tokenizer, run.prompt_length, "test", cfg.eval_routing_prompts, cfg.seed)
         kwargs["routing_eval_prompts"] = list(prompts["prompt"])
         kwargs["routing_eval_rewards"] = {n: reward_config.reward(n) for n in [run.reward, *run.eval_reward_names]}
     return model, kwargs
@@ -214,12 +221,15 @@ class RoutingMixin:
     def __init__(self, *args, rh_detector: tuple[str, TextDetector] | None = None,
                  dual_lora_layout: DualLoRALayout | None = None, routing_eval_prompts: list[str] | None = None,
                  routing_eval_rewards: dict | None = None, **kwargs):
-        bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
-        model, cfg = bound["model"], bound["args"]
+        named = {**dict(zip(list(inspect.signature(GRPOTrainer.__init__).parameters)[1:], args)), **kwargs}
+        model, cfg = named.get("model"), named.get("args")
+        if not isinstance(cfg, RoutingArgs):
+            raise TypeError(f"args must be an ExtGRPOConfig (with RoutingArgs), got {type(cfg).__name__}")
         dual = isinstance(model, nn.Module) and any(isinstance(m, DualLoRALinear) for m in model.modules())
         if dual != cfg.dual_lora:
             raise ValueError(f"the config {'asks for' if cfg.dual_lora else 'has no'} dual LoRA but the model "
-                             f"{'has' if dual else 'has no'} DualLoRALinear modules (build it with build_dual_lora_model)")
+                             f"{'has' if dual else 'has no'} DualLoRALinear modules "
+                             "(build it with build_dual_lora_model)")
         if dual and dual_lora_layout is None:
             raise ValueError("a dual LoRA model needs dual_lora_layout (saved with every checkpoint)")
         if cfg.gradient_routing and rh_detector is None:

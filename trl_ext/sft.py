@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from environments.base import Trajectory, answer_text, env_class, make_env, run_episodes, truncate_after_answer
 from environments.solvers import shortest_actions, solver_env_names
-from trl_ext.env_trainer import HELDOUT_LEVELS, TRAIN_LEVELS, uses_chat
+from trl_ext.env_trainer import HELDOUT_LEVELS, TRAIN_LEVELS, decode_agent, uses_chat
 from trl_ext.registry import ConfigError
 
 MODES = ("rl", "sft")
@@ -83,7 +83,7 @@ def model_policy(model, tokenizer, env, max_new_tokens: int, do_sample: bool = F
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
         new = out[:, enc["input_ids"].shape[1] :]
-        return [truncate_after_answer(tokenizer.decode(g, skip_special_tokens=True)) for g in new]
+        return [truncate_after_answer(decode_agent(tokenizer, g.tolist())) for g in new]
 
     return policy
 
@@ -139,6 +139,7 @@ def run_sft(plan) -> int:
         per_device_train_batch_size=cfg.per_device_train_batch_size, logging_steps=cfg.logging_steps,
         save_strategy="no", report_to=[] if run.no_wandb else ["wandb"], seed=cfg.seed, bf16=cfg.bf16,
         max_length=None, lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps,
+        activation_checkpointing=cfg.activation_checkpointing,
     )  # fmt: skip
     trainer = SFTTrainer(model=model, args=sft_cfg, train_dataset=Dataset.from_list(records),
                          processing_class=tokenizer, peft_config=peft_config)  # fmt: skip

@@ -10,7 +10,8 @@ anything launches (one bad value fails the sweep, exit 2); its directory is the 
 Scheduling: with GPUs, ``--per_gpu N`` runs per visible GPU, each child pinned (CUDA_VISIBLE_DEVICES) to
 the least-loaded GPU; NVIDIA MPS is detected through its control pipe and reported (children use it when
 its daemon runs). Without a GPU, ``--parallel N`` CPU slots (default: one per core). Each child gets
-``max(1, cores // slots)`` torch threads through OMP_NUM_THREADS / MKL_NUM_THREADS, read by torch at start.
+``max(1, cores // slots)`` torch threads through OMP_NUM_THREADS / MKL_NUM_THREADS, read by torch at start,
+and OMP_WAIT_POLICY=PASSIVE unless set (idle OpenMP threads sleep instead of spinning on shared cores).
 
 Resumability: a run whose ``run_summary.json`` says "done" is skipped. An unfinished run directory
 (crashed or interrupted) is moved to ``{sweep_dir}/incomplete/`` and the run restarts from scratch (no
@@ -147,8 +148,10 @@ class Slots:
 
 
 def child_env(base: dict, res: Resources, dev: str) -> dict:
-    env = {**base, "OMP_NUM_THREADS": str(res.threads), "MKL_NUM_THREADS": str(res.threads),
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    """The child's environment: its thread count, its GPU, and OpenMP threads that sleep rather than spin
+    while waiting (the runs share cores; OMP_WAIT_POLICY is kept when the caller set it)."""
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **base, "OMP_NUM_THREADS": str(res.threads),
+           "MKL_NUM_THREADS": str(res.threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}  # fmt: skip
     if res.gpus:
         env["CUDA_VISIBLE_DEVICES"] = dev
     return env
@@ -232,8 +235,12 @@ class _Active:
     t0: float
 
 
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
 def execute(runs: list[PlannedRun], sweep_dir: Path, res: Resources, status_every: float, log_tail: int,
-            say=print) -> tuple[list[RunResult], bool]:  # fmt: skip
+            say=_say) -> tuple[list[RunResult], bool]:  # fmt: skip
     """Run (or skip) every planned run; returns the results in plan order and whether it was interrupted."""
     results: dict[str, RunResult] = {}
 
@@ -295,6 +302,9 @@ def execute(runs: list[PlannedRun], sweep_dir: Path, res: Resources, status_ever
             record(run, "NOT_STARTED", False)
     finally:
         for a in active.values():
+            if a.proc.poll() is None:  # the sweep itself failed: leave no orphaned runs behind
+                a.proc.kill()
+                a.proc.wait()
             os.close(a.lock)
     return [results[r.name] for r in runs], interrupted
 
@@ -381,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children too when the sweep is terminated
     (sweep_dir / "sweep.yaml").write_text(yaml.safe_dump({"argv": argv, **asdict(spec)}, sort_keys=False))
-    results, interrupted = execute(runs, sweep_dir, res, args.status_every, args.log_tail, say=_say)
+    results, interrupted = execute(runs, sweep_dir, res, args.status_every, args.log_tail)
     paths = write_summary(results, sweep_dir)
     print(summary_table(results) + "\n" + "\n".join(f"{k}: {p}" for k, p in paths.items()), flush=True)
     return 130 if interrupted else 0 if all(r.status == "done" for r in results) else 1
@@ -391,5 +401,3 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _say(msg: str) -> None:
-    print(msg, flush=True)

@@ -136,8 +136,9 @@ def load_sweep_file(path: str | Path) -> SweepSpec:
 
 
 def build_spec(args) -> SweepSpec:
-    """Merge the sweep file ``args.config`` (if any) with ``args.grid/fixed/reward/train_flags`` (``SweepArgs``): a command-line key replaces the file's key
-    (in every grid), and a command-line grid is crossed with each of the file's grids."""
+    """Merge the sweep file ``args.config`` (if any) with ``args.grid/fixed/reward/train_flags`` (a SweepArgs):
+    a command-line key replaces the file's key (in every grid); a command-line grid is crossed with each of
+    the file's grids."""
     spec = load_sweep_file(args.config) if args.config else SweepSpec([{}], {}, [])
     grid = _grid("--grid", {k: v.split(",") for k, v in _pairs(args.grid, "--grid").items()})
     fixed = _pairs(args.fixed, "--fixed")
@@ -157,8 +158,6 @@ def build_spec(args) -> SweepSpec:
         if flag in spec.train_flags or flag in spec.fixed or flag in spec.keys:
             raise ConfigError(f"train flag {flag!r} is given twice")
         spec.train_flags.append(flag)
-    if "reward" not in spec.fixed and any("reward" not in g for g in spec.grids):
-        raise ConfigError("a sweep needs a reward: --reward NAME (or reward in --grid, --fixed or the sweep file)")
     return spec
 
 

@@ -11,10 +11,9 @@ Hooks overridden:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
-
-import sys
 
 import torch
 from tqdm.auto import tqdm
