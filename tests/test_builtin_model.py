@@ -26,7 +26,7 @@ def fake_build(monkeypatch, tmp_path):
     monkeypatch.setenv("TRL_EXT_CACHE", str(tmp_path / "cache"))
     calls = []
 
-    def build(out_dir: Path):
+    def build(out_dir: Path, module: str):
         calls.append(out_dir)
         time.sleep(0.3)  # long enough for concurrent callers to queue on the lock
         for name in REQUIRED_FILES:
@@ -68,7 +68,7 @@ def test_rebuild_replaces_the_model(fake_build, tmp_path):
 def test_failed_build_leaves_nothing_and_incomplete_dir_fails_loudly(monkeypatch, tmp_path):
     monkeypatch.setenv("TRL_EXT_CACHE", str(tmp_path))
 
-    def broken(out_dir):
+    def broken(out_dir, module):
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("boom")
 

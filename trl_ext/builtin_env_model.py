@@ -22,14 +22,9 @@ CLI: ``uv run python -m trl_ext.builtin_env_model [--rebuild]``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -131,45 +126,12 @@ def build_into(out_dir: Path) -> dict:
 
 
 def ensure_builtin_env(rebuild: bool = False) -> Path:
-    """The built variant's directory; built once (in a subprocess, under the builtin lock) when absent."""
-    target = builtin_env_dir()
-    if not rebuild and bm._is_complete(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with bm._file_lock(target.parent / f"{target.name}.lock"):
-        if not rebuild and bm._is_complete(target):
-            return target
-        print(f"[builtin_env] building into {target} (~3 minutes)", file=sys.stderr)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
-        try:
-            env = dict(os.environ)
-            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-            root = str(Path(__file__).resolve().parents[1])
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-            cmd = [sys.executable, "-m", "trl_ext.builtin_env_model", "--build-into", str(tmp)]
-            if subprocess.run(cmd, env=env).returncode != 0:
-                raise RuntimeError(f"building the builtin_env model failed: {' '.join(cmd)}")
-            tmp.chmod(0o755)
-            if target.exists():
-                shutil.rmtree(target)
-            tmp.rename(target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-    return target
+    """The built variant's directory; built once (in a subprocess, under a file lock) when absent."""
+    return bm.ensure_built(builtin_env_dir(), "trl_ext.builtin_env_model", rebuild, "the builtin_env model")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build (once) and show the builtin_env model.")
-    parser.add_argument("--rebuild", action="store_true")
-    parser.add_argument("--build-into", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.build_into is not None:
-        build_into(args.build_into)
-        return
-    path = ensure_builtin_env(rebuild=args.rebuild)
-    print(path)
-    print((path / "build_info.json").read_text())
+    bm.cli(argv, "Build (once) and show the builtin_env model.", ensure_builtin_env, build_into)
 
 
 if __name__ == "__main__":

@@ -101,17 +101,21 @@ def _file_lock(path: Path):
 
 def ensure_builtin(rebuild: bool = False) -> Path:
     """The built model's directory; builds it (once, under a file lock) when absent or when ``rebuild``."""
-    target = builtin_dir()
+    return ensure_built(builtin_dir(), "trl_ext.builtin_model", rebuild, "the builtin model")
+
+
+def ensure_built(target: Path, module: str, rebuild: bool, label: str) -> Path:
+    """Build ``target`` once with ``python -m {module} --build-into DIR`` under a file lock, atomically."""
     if not rebuild and _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f"{target.name}.lock"):
         if not rebuild and _is_complete(target):  # built by another process while we waited
             return target
-        print(f"[builtin] building the builtin model into {target} (first use takes ~3 minutes)", file=sys.stderr)
+        print(f"[builtin] building {label} into {target} (first use takes a few minutes)", file=sys.stderr)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
         try:
-            _build_in_subprocess(tmp)
+            _build_in_subprocess(tmp, module)
             tmp.chmod(0o755)  # mkdtemp makes it private
             if target.exists():
                 old = target.parent / f".{target.name}-old-{os.getpid()}"
@@ -126,8 +130,8 @@ def ensure_builtin(rebuild: bool = False) -> Path:
     return target
 
 
-def _build_in_subprocess(out_dir: Path) -> None:
-    """Run ``build_builtin(out_dir)`` in a fresh interpreter with OMP_WAIT_POLICY=PASSIVE (unless set).
+def _build_in_subprocess(out_dir: Path, module: str) -> None:
+    """Run ``python -m {module} --build-into out_dir`` in a fresh interpreter with OMP_WAIT_POLICY=PASSIVE.
 
     libgomp reads the wait policy once, when torch is imported. Its default (spinning) makes 2-thread
     torch several times slower when other processes share the cores; a child process gets the
@@ -137,13 +141,13 @@ def _build_in_subprocess(out_dir: Path) -> None:
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "trl_ext.builtin_model", "--build-into", str(out_dir)]
+    cmd = [sys.executable, "-m", module, "--build-into", str(out_dir)]
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         for line in proc.stdout:  # progress goes to the caller's stderr (and whatever tees it)
             sys.stderr.write(line)
             sys.stderr.flush()
     if proc.returncode != 0:
-        raise RuntimeError(f"building the builtin model failed (exit code {proc.returncode}): {' '.join(cmd)}")
+        raise RuntimeError(f"building failed (exit code {proc.returncode}): {' '.join(cmd)}")
 
 
 def train_tokenizer(stories: list[str]):
@@ -304,17 +308,22 @@ def _build(out_dir: Path, t0: float) -> dict:
     return info
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build (once) and show the builtin offline model.")
+def cli(argv: list[str] | None, description: str, ensure, build) -> None:
+    """Command line of a cached model: ``--rebuild``, and the internal ``--build-into`` of the build subprocess."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rebuild", action="store_true", help="rebuild even if a built model is cached")
     parser.add_argument("--build-into", type=Path, help=argparse.SUPPRESS)  # internal: the build subprocess
     args = parser.parse_args(argv)
     if args.build_into is not None:
-        build_builtin(args.build_into)
+        build(args.build_into)
         return
-    path = ensure_builtin(rebuild=args.rebuild)
+    path = ensure(rebuild=args.rebuild)
     print(path)
     print((path / "build_info.json").read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli(argv, "Build (once) and show the builtin offline model.", ensure_builtin, build_builtin)
 
 
 if __name__ == "__main__":
