@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import yaml
+
 from trl_ext.registry import ConfigError, Registry
 
 ENVIRONMENTS: Registry = Registry("environment")
@@ -185,7 +187,7 @@ def env_class(name: str) -> type[Environment]:
 
 
 def make_env(name: str, **params) -> Environment:
-    """Build a registered environment; unknown name or parameter -> ConfigError."""
+    """Build a registered environment; unknown name, unknown parameter or bad value -> ConfigError."""
     cls = env_class(name)
     try:
         inspect.signature(cls).bind(**params)
@@ -194,7 +196,23 @@ def make_env(name: str, **params) -> Environment:
         raise ConfigError(
             f"environment {name!r}: bad parameters {sorted(params)} ({e}); accepted: {accepted}"
         ) from None
-    return cls(**params)
+    try:
+        return cls(**params)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"environment {name!r}: {e}") from None
+
+
+def parse_env_params(text: str) -> dict:
+    """``"key=value,key=value"`` -> dict; each value is a YAML scalar (``true``, ``6``, ``0.9``, ``random``)."""
+    params = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ConfigError(f"--env_params: expected key=value pairs separated by commas, got {item!r}")
+        if key.strip() in params:
+            raise ConfigError(f"--env_params: {key.strip()!r} given twice")
+        params[key.strip()] = yaml.safe_load(value.strip()) if value.strip() else ""
+    return params
 
 
 def check_max_turns(max_turns: int) -> int:

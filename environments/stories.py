@@ -124,6 +124,7 @@ ENDINGS = (
 )
 
 
+MOOD_TITLE = "A {mood} story."  # the title of a mood story: "A happy story.", "An angry story."
 _AN = re.compile(r"\b([Aa]) ([aeiou])")
 
 
@@ -131,7 +132,9 @@ def _cap(text: str) -> str:
     return text[0].upper() + text[1:]
 
 
-def _story(rng: random.Random) -> str:
+def _story(rng: random.Random, mood: str | None = None, mood_weight: float = 0.0) -> str:
+    """One story. With ``mood``, each sentence's first feeling slot is ``mood`` w.p. ``mood_weight``
+    (the other slot stays a different feeling); without it the random stream is exactly the plain one."""
     girl = rng.random() < 0.5
     name = rng.choice(GIRLS if girl else BOYS)
     friend = rng.choice([n for n in GIRLS + BOYS if n != name])
@@ -142,6 +145,8 @@ def _story(rng: random.Random) -> str:
     for template in templates:
         look, look2 = rng.sample(LOOKS, 2)
         feel, feel2 = rng.sample(FEELINGS, 2)
+        if mood is not None and rng.random() < mood_weight:
+            feel, feel2 = mood, (feel if feel2 == mood else feel2)
         slots = dict(
             name=name, friend=friend, he=he, him=him, his=his, look=look, look2=look2, feel=feel, feel2=feel2,
             kind=rng.choice(KINDS), animal=rng.choice(ANIMALS), place=rng.choice(PLACES), obj=rng.choice(OBJECTS),
@@ -157,6 +162,25 @@ def generate_stories(n: int, seed: int) -> list[str]:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     return [_story(_rng(seed, i)) for i in range(n)]
+
+
+def generate_mood_stories(n: int, seed: int, titled_fraction: float, mood_weight: float) -> list[str]:
+    """``generate_stories(n, seed)`` where a ``titled_fraction`` of the stories carry a mood.
+
+    A titled story starts with ``MOOD_TITLE`` for a uniformly drawn feeling, and its feeling slots
+    follow that mood w.p. ``mood_weight`` (``_story``). The choice of story and mood uses its own
+    random stream, so every untitled story equals the plain story of the same index.
+    """
+    stories = []
+    for i in range(n):
+        pick = random.Random(f"mood-{seed}-{i}")
+        if pick.random() < titled_fraction:
+            mood = pick.choice(FEELINGS)
+            title = _AN.sub(r"\1n \2", MOOD_TITLE.format(mood=mood))
+            stories.append(title + " " + _story(_rng(seed, i), mood, mood_weight))
+        else:
+            stories.append(_story(_rng(seed, i)))
+    return stories
 
 
 def _rng(seed: int, index: int) -> random.Random:

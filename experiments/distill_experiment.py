@@ -1,22 +1,23 @@
-"""Context distillation on the builtin model: does the student's "happy" rate rise toward its teacher's?
+"""Context distillation on the builtin_mood model: does the student's "happy" rate rise toward its teacher's?
 
-Step 1 measures the context itself: held-out happy rate of the builtin model on ``prompt`` (student) and on
-``context + prompt`` (teacher), and the per-token KL between them on the student's samples. The builtin corpus
-draws every feeling word independently (environments/stories.py), so its model has no reason to condition on a
-preceding text: the measured effect of every context we tried is nil (see the results).
+The teacher is the student's initial weights (``--teacher_model builtin_mood``, a frozen copy: with a
+full fine-tune and ``--beta 0`` there is no reference model to reuse) given the context "A happy story.";
+the student sees only the story prompt. ``--model builtin_mood`` is the builtin model built on a
+corpus where 30% of the stories carry a title "A <feeling> story." that their feelings follow
+(``trl_ext.builtin_mood_model``); the plain builtin model draws feelings independently, so no context
+changes it (step 1 measures both).
 
-Step 2 therefore gives the distillation a teacher that is measurably happier: a copy of the builtin model whose
-output logit of the token "happy" is raised by ``BOOST`` nats (untied output head; the added row ``u`` solves
-``h . u = 1`` in least squares over the final hidden states ``h`` of sampled text, so the shift is close to
-``BOOST`` at every position). It is passed as ``--teacher_model`` together with ``--teacher_context``; the
-seed's configurations are then trained with train.py's own flags (``cli.build_plan``/``cli.run_training``):
+Step 1: held-out happy rate of each model on ``prompt`` (student) and on ``context + prompt`` (teacher), and
+the per-token KL between them on the student's samples.
+Step 2: the seed's configurations, trained with train.py's own code (``cli.build_plan``/``cli.run_training``):
 pure distillation (adv_tau 0, teacher_tau = student_tau = 1, --skip_verification), hybrid (task happy_binary +
 KL, taus 1), gated hybrid (taus 0.01, --kl_only_incorrect), token-level KL (--no_use_full_reward_baseline, taus
-0.01) and pure task RL (taus 0) for reference. Every run is scored on the same held-out prompts afterwards.
+0.01), pure task RL (taus 0) for reference, and pure distillation again for 160 steps. Every run is scored on
+the same held-out prompts afterwards.
 
     uv run python experiments/distill_experiment.py     # ~10 minutes of CPU on 2 cores
 
-Writes experiments/results/distill.json and prints the table of experiments/results/distill.md.
+Writes experiments/results/distill.json (the table of experiments/results/distill.md is written from it).
 """
 
 from __future__ import annotations
@@ -35,13 +36,12 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONTEXT = "a happy story."
-CONTEXTS = [CONTEXT, "happy. happy. happy. happy. happy. happy.", "she was happy. he was happy. everyone felt happy."]
-BOOST = 2.0
+CONTEXT = "A happy story."
+MODELS = ("builtin", "builtin_mood")  # the student trained in step 2 is the last
 EVAL_PROMPTS, EVAL_TOKENS, SEED = 256, 32, 0
-COMMON = ["--reward", "happy_binary", "--model", "builtin", "--batch_size", "32", "--num_generations", "8",
-          "--max_completion_length", str(EVAL_TOKENS), "--max_steps", "40", "--lr", "3e-4", "--beta", "0",
-          "--logging_steps", "5", "--save_steps", "40", "--eval_rewards", "happy_binary", "--no_wandb"]  # fmt: skip
+COMMON = ["--reward", "happy_binary", "--model", "builtin_mood", "--batch_size", "32", "--num_generations", "8",
+          "--max_completion_length", str(EVAL_TOKENS), "--lr", "3e-4", "--beta", "0",
+          "--logging_steps", "5", "--eval_rewards", "happy_binary", "--no_wandb"]  # fmt: skip
 RUNS = {
     "pure distillation": ["--adv_tau", "0", "--teacher_tau", "1", "--student_tau", "1", "--skip_verification"],
     "hybrid": ["--adv_tau", "1", "--teacher_tau", "1", "--student_tau", "1"],
@@ -50,6 +50,9 @@ RUNS = {
                        "--no_use_full_reward_baseline"],
     "pure task RL": [],
 }
+STEPS = 40
+LONG = "pure distillation, 160 steps"  # the first configuration, trained 4x longer
+LONG_STEPS = 160
 
 
 def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,10 +81,17 @@ def happy_rate(texts: list[str]) -> float:
 
 @torch.no_grad()
 def context_kl(model, tok, prompts: list[str], context: str) -> float:
-    """Mean per-token k1 KL estimate (student - teacher log-prob) on the student's samples."""
+    """Mean per-token k1 KL estimate of ``model`` (prompt) against itself given ``context`` (the teacher)."""
+    return context_kl_to(model, model, tok, prompts, context)
+
+
+@torch.no_grad()
+def context_kl_to(student, teacher, tok, prompts: list[str], context: str) -> float:
+    """Mean per-token k1 KL estimate (student - teacher log-prob) on the student's samples; the teacher
+    scores them after ``context``."""
     from trl_ext.distill import build_teacher_inputs, encode_context, teacher_logprobs
 
-    _, ids, out = sample(model, tok, prompts)
+    _, ids, out = sample(student, tok, prompts)
     p_ids, p_mask = left_pad([tok(p, add_special_tokens=False)["input_ids"] for p in prompts], tok.pad_token_id)
     completion = out[:, ids.size(1):]
     c_mask = torch.ones_like(completion)
@@ -90,30 +100,8 @@ def context_kl(model, tok, prompts: list[str], context: str) -> float:
             c_mask[i, row.index(tok.eos_token_id) + 1 :] = 0
     s_in = (torch.cat([p_ids, completion], 1), torch.cat([p_mask, c_mask], 1), completion.size(1))
     t_in = build_teacher_inputs(encode_context(tok, context), p_ids, p_mask, completion, c_mask, tok.pad_token_id)
-    lp_s, lp_t = teacher_logprobs(model, *s_in, 1.0), teacher_logprobs(model, *t_in, 1.0)
+    lp_s, lp_t = teacher_logprobs(student, *s_in, 1.0), teacher_logprobs(teacher, *t_in, 1.0)
     return ((lp_s - lp_t) * c_mask).sum().item() / c_mask.sum().item()
-
-
-@torch.no_grad()
-def happy_teacher(model_dir: str, tok, prompts: list[str], out_dir: Path) -> Path:
-    """The builtin model with the output logit of "happy" raised by ~BOOST nats (module docstring)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    texts, _, out = sample(model, tok, prompts)
-    hidden = model.model(input_ids=out).last_hidden_state.reshape(-1, model.config.hidden_size)  # after the norm
-    u = torch.linalg.lstsq(hidden, torch.ones(hidden.size(0), 1)).solution[:, 0]
-    happy = tok.convert_tokens_to_ids("happy")
-    model.config.tie_word_embeddings = False
-    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
-    head.weight.data = model.get_input_embeddings().weight.data.clone()
-    head.weight.data[happy] += BOOST * u
-    model.lm_head = head
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    shift = (hidden @ (BOOST * u)).std().item()
-    print(f"happy teacher: logit shift {BOOST} nats (std over positions {shift:.3f}), saved to {out_dir}", flush=True)
-    return out_dir
 
 
 def main() -> None:
@@ -121,42 +109,46 @@ def main() -> None:
 
     import trl_ext.cli_train as cli
     from environments.stories import load_prompts
-    from trl_ext.builtin_model import ensure_builtin
-    from trl_ext.models import prepare_tokenizer
+    from trl_ext.models import model_source, prepare_tokenizer
 
     torch.set_num_threads(2)
     start = time.time()
-    model_dir = str(ensure_builtin())
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(model_dir))
-    prompts = list(load_prompts("builtin", tok, 8, "test", EVAL_PROMPTS, SEED)["prompt"])
-    student = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    results = {"student": happy_rate(sample(student, tok, prompts)[0]), "contexts": {}, "runs": {}}
-    for context in CONTEXTS:
-        results["contexts"][context] = {"happy_rate": happy_rate(sample(student, tok, prompts, context + " ")[0]),
-                                        "kl_per_token": context_kl(student, tok, prompts, context + " ")}
+    results = {"context": CONTEXT, "models": {}, "runs": {}}
+    for name in MODELS:  # step 1: what the context does to each model
+        model_dir = model_source(name)
+        tok = prepare_tokenizer(AutoTokenizer.from_pretrained(model_dir))
+        prompts = list(load_prompts("builtin", tok, 8, "test", EVAL_PROMPTS, SEED)["prompt"])
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        results["models"][name] = {
+            "student_happy": happy_rate(sample(model, tok, prompts)[0]),
+            "teacher_happy": happy_rate(sample(model, tok, prompts, CONTEXT + " ")[0]),
+            "kl_per_token": context_kl(model, tok, prompts, CONTEXT + " "),
+        }
     print(json.dumps(results, indent=2), flush=True)
+    teacher = model  # builtin_mood's initial weights (the last of MODELS); tok and prompts are its own
 
     work = Path(tempfile.mkdtemp(prefix="distill_exp_"))
-    teacher_dir = happy_teacher(model_dir, tok, prompts, work / "happy_teacher")
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
-    results["teacher"] = {"happy_rate": happy_rate(sample(teacher, tok, prompts, CONTEXT + " ")[0])}
-    print(f"teacher (boosted, with context) happy rate {results['teacher']['happy_rate']:.3f}", flush=True)
-    for name, flags in RUNS.items():
+    runs = [(name, flags, STEPS) for name, flags in RUNS.items()] + [(LONG, next(iter(RUNS.values())), LONG_STEPS)]
+    for name, flags, steps in runs:  # step 2: train the builtin_mood student (tok/prompts are its own)
         run_start = time.time()
         slug = name.replace(",", "").replace(" ", "_")
-        argv = [*COMMON, "--output_dir", str(work), "--run_name", slug, *flags]
-        if flags:  # every run but pure task RL distils from the happy teacher, which sees the context
-            argv += ["--teacher_model", str(teacher_dir), "--teacher_context", CONTEXT]
+        argv = [*COMMON, "--max_steps", str(steps), "--save_steps", str(steps), "--output_dir", str(work),
+                "--run_name", slug, *flags]  # fmt: skip
+        if flags:  # every run but pure task RL distils from the initial weights (a frozen copy) given the context
+            argv += ["--teacher_model", "builtin_mood", "--teacher_context", CONTEXT]
         plan = cli.build_plan(argv)
         assert cli.run_training(plan) == 0
-        ckpt = plan.run_dir / "checkpoint-40"
+        ckpt = plan.run_dir / f"checkpoint-{steps}"
         history = json.loads((ckpt / "trainer_state.json").read_text())["log_history"]
         trained = AutoModelForCausalLM.from_pretrained(ckpt).eval()
         results["runs"][name] = {
             "flags": flags,
+            "steps": steps,
             "train_happy": [h["eval_rewards/happy_binary"] for h in history if "eval_rewards/happy_binary" in h],
             "kl": [h["distill/kl"] for h in history if "distill/kl" in h],
+            "gate": [h["distill/gate_mean"] for h in history if "distill/gate_mean" in h],
             "heldout_happy": happy_rate(sample(trained, tok, prompts)[0]),
+            "heldout_kl_to_teacher": context_kl_to(trained, teacher, tok, prompts, CONTEXT + " "),
             "wall_s": round(time.time() - run_start, 1),
         }
         print(name, json.dumps(results["runs"][name]), flush=True)
@@ -164,7 +156,39 @@ def main() -> None:
     out = ROOT / "experiments" / "results" / "distill.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out} ({results['wall_s']} s)")
+    out.with_suffix(".md").write_text(markdown(results))
+    print(f"wrote {out} and {out.with_suffix('.md')} ({results['wall_s']} s)")
+
+
+def markdown(r: dict) -> str:
+    """experiments/results/distill.md from the raw results."""
+    m = r["models"]
+    lines = [
+        "# Context distillation on the builtin_mood model", "",
+        f"`uv run python experiments/distill_experiment.py` ({r['wall_s']:.0f} s wall on 2 CPU cores; raw numbers in",
+        f"`distill.json`). Held-out happy rate = fraction of {EVAL_PROMPTS} held-out prompts (8 tokens, split \"test\")",
+        f"whose one sampled completion ({EVAL_TOKENS} tokens, temperature 1, seed {SEED}) contains \"happy\".", "",
+        f"## 1. The context `{r['context']}`", "",
+        "| model | student (prompt) | teacher (context + prompt) | per-token KL(student ‖ teacher) on student samples |",
+        "|---|---|---|---|",
+        *[f"| `{name}` | {v['student_happy']:.3f} | {v['teacher_happy']:.3f} | {v['kl_per_token']:.3f} nats |"
+          for name, v in m.items()],
+        "", "## 2. Training the builtin_mood student toward its context teacher", "",
+        f"Common flags: `{' '.join(COMMON)} --max_steps {STEPS}` (except the last row); every distilling run adds `--teacher_model builtin_mood "
+        f"--teacher_context \"{r['context']}\"`. Train happy = `eval_rewards/happy_binary` (the on-policy samples of "
+        "each 5-step logging window). Held-out KL = per-token k1 estimate of KL(trained ‖ teacher) on the trained "
+        "model's held-out samples.", "",
+        "| configuration | flags | train happy, first → last 5-step window | held-out happy after training | held-out KL to the teacher | `distill/kl` first → last window |",
+        "|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for name, run in r["runs"].items():
+        kl = f"{run['kl'][0]:.3f} → {run['kl'][-1]:.3f}" if run["kl"] else "—"
+        lines.append(f"| {name} | `{' '.join(run['flags']) or '(taus 0)'}` | {run['train_happy'][0]:.3f} → "
+                     f"{run['train_happy'][-1]:.3f} | **{run['heldout_happy']:.3f}** | "
+                     f"{run['heldout_kl_to_teacher']:.3f} | {kl} |")  # fmt: skip
+    lines += ["", f"Student before training: {m['builtin_mood']['student_happy']:.3f}; teacher: "
+              f"{m['builtin_mood']['teacher_happy']:.3f}. One seed per configuration.", ""]  # fmt: skip
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -83,12 +83,12 @@ def test_failed_build_leaves_nothing_and_incomplete_dir_fails_loudly(monkeypatch
 
 def test_lr_schedule():
     b = builtin_model
-    assert b._lr(0) == pytest.approx(b.PEAK_LR / b.WARMUP_STEPS)
-    assert b._lr(b.WARMUP_STEPS - 1) == pytest.approx(b.PEAK_LR)
-    assert b._lr(b.WARMUP_STEPS) == pytest.approx(b.PEAK_LR)  # cosine starts at the peak
+    assert b._lr(0, b.STEPS) == pytest.approx(b.PEAK_LR / b.WARMUP_STEPS)
+    assert b._lr(b.WARMUP_STEPS - 1, b.STEPS) == pytest.approx(b.PEAK_LR)
+    assert b._lr(b.WARMUP_STEPS, b.STEPS) == pytest.approx(b.PEAK_LR)  # cosine starts at the peak
     middle = b.WARMUP_STEPS + (b.STEPS - b.WARMUP_STEPS) / 2
-    assert b._lr(middle) == pytest.approx(b.PEAK_LR * (b.MIN_LR_FRACTION + (1 - b.MIN_LR_FRACTION) / 2))
-    assert b._lr(b.STEPS) == pytest.approx(b.PEAK_LR * b.MIN_LR_FRACTION)
+    assert b._lr(middle, b.STEPS) == pytest.approx(b.PEAK_LR * (b.MIN_LR_FRACTION + (1 - b.MIN_LR_FRACTION) / 2))
+    assert b._lr(b.STEPS, b.STEPS) == pytest.approx(b.PEAK_LR * b.MIN_LR_FRACTION)
 
 
 # ---------------------------------------------------------------- --model validation (nothing loaded)

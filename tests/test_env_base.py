@@ -166,3 +166,16 @@ def test_run_episodes_batches_only_active():
     assert sizes == [2, 1, 1]
     assert a.step_rewards == [0.5] and a.done
     assert b.step_rewards == [1.0, 1.0, 1.0] and b.truncated
+
+
+def test_parse_env_params_values_and_errors():
+    from environments.base import parse_env_params
+
+    assert parse_env_params("") == {}
+    assert parse_env_params("slippery=true, size=6,p_frozen=0.9,opponent=random,") == {
+        "slippery": True, "size": 6, "p_frozen": 0.9, "opponent": "random"}  # fmt: skip
+    for bad, needle in [("size", "key=value"), ("=3", "key=value"), ("a b=1", "key=value"), ("a=1,a=2", "twice")]:
+        with pytest.raises(ConfigError, match=needle):
+            parse_env_params(bad)
+    with pytest.raises(ConfigError, match="environment 'frozenlake': frozenlake: need size >= 2"):
+        make_env("frozenlake", size=1)

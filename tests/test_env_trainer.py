@@ -49,6 +49,14 @@ def no_training(monkeypatch):
         (["--env", "arithmetic", "--model", "builtin"], "builtin_env"),
         (["--env", "arithmetic", "--reward", "happy_binary"], "exclude"),
         (["--reward", "happy_binary", "--no_think_rl"], "--no_think_rl needs --env"),
+        (["--env", "arithmetic", "--model", "builtin_mood"], "builtin_env"),
+        (["--reward", "happy_binary", "--env_params", "size=5"], "--env_params needs --env"),
+        (["--env", "frozenlake", "--env_params", "sizes=5"], "accepted: ['size', 'p_frozen', 'slippery'"),
+        (["--env", "frozenlake", "--env_params", "size=1"], "size >= 2"),
+        (["--env", "frozenlake", "--env_params", "size"], "key=value"),
+        (["--env", "frozenlake", "--env_params", "size=5,size=6"], "given twice"),
+        (["--env", "prisoners_dilemma", "--env_params", "opponent=nice"], "tit_for_tat"),
+        (["--env", "frozenlake", "--env_params", "slippery=true", "--mode", "sft"], "--mode sft: frozenlake: the BFS"),
     ],
 )
 def test_bad_env_flags_exit_2(capsys, no_training, argv, needle):
@@ -57,6 +65,17 @@ def test_bad_env_flags_exit_2(capsys, no_training, argv, needle):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("train.py: error: ") and err.count("\n") == 0 and needle in err
+
+
+def test_env_params_reach_every_environment_built():
+    cfg = cli.parser().parse_args_into_dataclasses(
+        args=["--env", "frozenlake", "--env_params", "slippery=true, size=6,p_frozen=0.9"])[1]  # fmt: skip
+    env = cfg.build_env()
+    assert (env.slippery, env.size, env.p_frozen) == (True, 6, 0.9)
+    assert env.reset(3).count("\n") == 6 - 1  # a 6x6 map
+    assert "env_paramssize-6" in cli.build_plan(["--env", "frozenlake", "--env_params", "size=6", "--model", "builtin_env"]).cfg.run_name
+    opp = ExtGRPOConfig(output_dir="o", env="prisoners_dilemma", env_params="opponent=always_defect").build_env()
+    assert opp.opponent_name == "always_defect"
 
 
 def test_n_rollout_is_num_generations():
@@ -102,7 +121,7 @@ def test_cut_after_answer(tok):
 
 
 def test_env_dataset_and_reward(tok):
-    ds = env_dataset("frozenlake", 3, tok, start=10)
+    ds = env_dataset(make_env("frozenlake"), 3, tok, start=10)
     obs = make_env("frozenlake").reset(11)
     assert ds["env_seed"] == [10, 11, 12] and ds["prompt"][1] == obs + "\n"
     assert env_reward(["a", "b"], env_return=[1, -0.5]) == [1.0, -0.5]
@@ -131,14 +150,14 @@ def make_trainer(tok, tmp_path, **overrides):
     args.update(overrides)
     cfg = ExtGRPOConfig(**args)
     return ExtGRPOTrainer(model=model, reward_funcs=[env_reward], args=cfg,
-                          train_dataset=env_dataset("frozenlake", 2, tok), processing_class=tok)  # fmt: skip
+                          train_dataset=env_dataset(make_env("frozenlake"), 2, tok), processing_class=tok)  # fmt: skip
 
 
 def test_multi_turn_rollout_masks_env_tokens_out_of_the_loss(tok, tmp_path):
     trainer = make_trainer(tok, tmp_path)
     agent = "< answer > jump < / answer >"  # invalid on every turn: -1 each, state unchanged
     trainer._generate_single_turn = lambda prompt_ids, *a: ([ids(tok, agent + " junk")] * len(prompt_ids), None)
-    rows = [{"prompt": p, "env_seed": 0} for p in list(env_dataset("frozenlake", 1, tok)["prompt"]) * 2]
+    rows = [{"prompt": p, "env_seed": 0} for p in list(env_dataset(make_env("frozenlake"), 1, tok)["prompt"]) * 2]
     obs = make_env("frozenlake").reset(0)
     env_text = "\ninvalid answer\nreward: -1\ndone: false\n" + obs + "\n"
     a, e = ids(tok, agent), ids(tok, env_text)
@@ -181,7 +200,7 @@ def test_no_think_rl_trains_on_bare_answer(tok, tmp_path):
     trainer = make_trainer(tok, tmp_path, no_think_rl=True, max_turns=1)
     said = "< think > up up < / think > < answer > up < / answer > junk"
     trainer._generate_single_turn = lambda prompt_ids, *a: ([ids(tok, said)] * len(prompt_ids), None)
-    rows = [{"prompt": p, "env_seed": 0} for p in list(env_dataset("frozenlake", 1, tok)["prompt"]) * 2]
+    rows = [{"prompt": p, "env_seed": 0} for p in list(env_dataset(make_env("frozenlake"), 1, tok)["prompt"]) * 2]
     out = env_rollout([r["prompt"] for r in rows], SimpleNamespace(
         args=trainer.args, processing_class=tok, _env_rows=rows, _generate_single_turn=trainer._generate_single_turn,
         _metrics=trainer._metrics, model=trainer.model))  # fmt: skip

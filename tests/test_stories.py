@@ -11,6 +11,7 @@ from environments import stories
 from environments.stories import (
     FEELINGS,
     HELDOUT_SPLIT_SIZE,
+    generate_mood_stories,
     generate_stories,
     heldout_stories,
     load_prompts,
@@ -139,3 +140,32 @@ def test_hub_prompts_use_simplestories_split_column_and_skip_short(monkeypatch, 
     assert sorted(ds["prompt"]) == ["Leo was sad.", "Mia felt happy."]  # "Mia smiled." has 3 tokens
     with pytest.raises(ValueError, match=r"only 2 of 3 stories .* 3 prompts requested"):
         load_prompts("SimpleStories/SimpleStories-1.25M", tok, 4, "train", 3, seed=0)
+
+
+def test_mood_stories_keep_plain_stories_and_title_the_rest():
+    plain = generate_stories(400, seed=0)
+    mood = generate_mood_stories(400, seed=0, titled_fraction=0.5, mood_weight=1.0)
+    titled = [i for i, s in enumerate(mood) if s != plain[i]]
+    assert 150 <= len(titled) <= 250  # about half
+    assert generate_mood_stories(400, seed=0, titled_fraction=0.0, mood_weight=1.0) == plain
+    title = re.compile(r"^An? (\w+) story\. ")
+    for i in titled:
+        m = title.match(mood[i])
+        assert m and m.group(1) in FEELINGS, mood[i]
+        body = mood[i][m.end() :]
+        # every sentence's first feeling slot is the mood (weight 1): at least one mood word after the title
+        assert m.group(1) in words(body) or not set(FEELINGS) & set(words(body)), mood[i]
+    assert not any(title.match(plain[i]) for i in range(400))
+
+
+def test_mood_title_raises_its_feeling_and_nothing_else():
+    n = 3000
+    mood = generate_mood_stories(n, seed=3, titled_fraction=1.0, mood_weight=0.8)
+    happy_titled = [s for s in mood if s.startswith("A happy story.")]
+    sad_titled = [s for s in mood if s.startswith("A sad story.")]
+    body = lambda s: words(s.split(". ", 1)[1])  # noqa: E731
+    rate = lambda docs, w: sum(w in body(s) for s in docs) / len(docs)  # noqa: E731
+    plain_rate = sum("happy" in words(s) for s in generate_stories(n, seed=3)) / n
+    assert rate(happy_titled, "happy") >= 0.8 > 0.3 >= plain_rate  # measured 0.89 vs 0.17
+    assert rate(sad_titled, "happy") <= plain_rate + 0.05  # other moods do not add "happy"
+    assert any(s.startswith("An angry story.") for s in mood)  # the article follows the mood

@@ -22,9 +22,7 @@ CLI: ``uv run python -m trl_ext.builtin_env_model [--rebuild]``.
 
 from __future__ import annotations
 
-import json
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -88,41 +86,13 @@ def env_tokenizer(docs: list[str]):
 def build_into(out_dir: Path) -> dict:
     """Tokenizer + model + pretraining exactly as ``builtin_model._build``, on ``corpus()``."""
     import torch
-    from transformers import LlamaForCausalLM
 
     t0 = time.time()
     torch.set_num_threads(bm.NUM_THREADS)
-
-    def log(msg):
-        print(f"[builtin_env {time.time() - t0:5.0f}s] {msg}", file=sys.stderr, flush=True)
-
+    log = bm.build_logger("builtin_env", t0)
     docs = corpus()
-    tokenizer = env_tokenizer(docs)
-    ids = tokenizer(docs, add_special_tokens=True)["input_ids"]  # each document ends with [EOS]
-    lengths = torch.tensor([len(x) for x in ids])
-    stream = torch.tensor([t for x in ids for t in x] + [tokenizer.eos_token_id] * bm.SEQ_LEN)
-    starts = torch.cumsum(lengths, 0) - lengths
-    log(f"corpus {len(docs)} documents, {int(lengths.sum())} tokens, vocab {len(tokenizer)}")
-    torch.manual_seed(bm.TRAIN_SEED)
-    model = LlamaForCausalLM(bm.model_config(len(tokenizer)))
-    model.generation_config.bos_token_id = None
-    model.generation_config.eos_token_id = 1
-    losses = bm._pretrain(model, stream, starts, log)
-    info = {
-        "version": VERSION,
-        "documents": len(docs),
-        "corpus_tokens": int(lengths.sum()),
-        "vocab_size": len(tokenizer),
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "steps": bm.STEPS,
-        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-    }
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    info["seconds"] = round(time.time() - t0, 1)
-    (Path(out_dir) / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    log(f"done: final loss {info['final_loss']:.3f}")
-    return info
+    model, tokenizer, info = bm.pretrain_on(docs, env_tokenizer(docs), log)
+    return bm.save_build(out_dir, model, tokenizer, {"version": VERSION, **info}, t0, log)
 
 
 def ensure_builtin_env(rebuild: bool = False) -> Path:

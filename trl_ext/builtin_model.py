@@ -13,7 +13,7 @@ Recipe (bump ``VERSION`` whenever anything below changes; the cache directory na
   heads, SwiGLU intermediate ``128 * 4 * 2 // 3 = 341``, tied input/output embeddings (that preset
   ties them; with its 4019-token vocab this gives ~1.25M parameters), context 512, RMSNorm eps 1e-6,
   RoPE base 10000, ``eos_token_id=1``, no BOS;
-- pretraining: plain torch loop on CPU with 2 threads; AdamW, linear warmup then cosine decay;
+- pretraining: plain torch loop on CPU with 2 threads, ``STEPS`` steps; AdamW, linear warmup then cosine decay;
   windows of ``SEQ_LEN`` tokens that start at a story start and run on through the next stories
   (each story followed by ``[EOS]``), so position 0 looks like a prompt at generation time.
 
@@ -196,24 +196,24 @@ def model_config(vocab_size: int):
     )  # fmt: skip
 
 
-def _lr(step: int) -> float:
-    """Linear warmup to PEAK_LR, then cosine decay to MIN_LR_FRACTION * PEAK_LR at STEPS."""
+def _lr(step: int, steps: int) -> float:
+    """Linear warmup to PEAK_LR, then cosine decay to MIN_LR_FRACTION * PEAK_LR at ``steps``."""
     if step < WARMUP_STEPS:
         return PEAK_LR * (step + 1) / WARMUP_STEPS
-    progress = (step - WARMUP_STEPS) / max(1, STEPS - WARMUP_STEPS)
+    progress = (step - WARMUP_STEPS) / max(1, steps - WARMUP_STEPS)
     return PEAK_LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _pretrain(model, stream, starts, log) -> list[float]:
+def _pretrain(model, stream, starts, log, steps: int) -> list[float]:
     import torch
 
     gen = torch.Generator().manual_seed(TRAIN_SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=PEAK_LR, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
     model.train()
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = _lr(step)
+            group["lr"] = _lr(step, steps)
         idx = starts[torch.randint(len(starts), (BATCH_SIZE,), generator=gen)]
         batch = stream[idx[:, None] + torch.arange(SEQ_LEN)[None, :]]
         loss = model(input_ids=batch, labels=batch).loss
@@ -222,20 +222,27 @@ def _pretrain(model, stream, starts, log) -> list[float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        if step % 20 == 0 or step == STEPS - 1:
-            log(f"step {step}/{STEPS} loss {loss.item():.3f} lr {_lr(step):.2e}")
+        if step % 20 == 0 or step == steps - 1:
+            log(f"step {step}/{steps} loss {loss.item():.3f} lr {_lr(step, steps):.2e}")
     model.eval()
     return losses
 
 
-def sample_stats(model, tokenizer, n: int = INFO_SAMPLES, seed: int = 0) -> dict:
-    """Sample ``n`` completions at temperature 1 from held-out test prompts: happy rate, unique fraction."""
+def sample_stats(model, tokenizer, n: int = INFO_SAMPLES, seed: int = 0, context: str = "") -> dict:
+    """Sample ``n`` completions at temperature 1 from held-out test prompts: happy rate, unique fraction.
+
+    ``context``: text whose tokens precede every prompt's (as a distillation teacher sees it).
+    """
     import torch
 
     from environments.stories import load_prompts
 
     prompts = list(load_prompts(BUILTIN, tokenizer, INFO_PROMPT_LENGTH, split="test", n=n, seed=seed)["prompt"])
     enc = tokenizer(prompts, add_special_tokens=False, return_tensors="pt")  # all prompts have equal length
+    if context:
+        ids = torch.cat([torch.tensor(tokenizer(context, add_special_tokens=False)["input_ids"]).expand(n, -1),
+                         enc["input_ids"]], 1)  # fmt: skip
+        enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(
@@ -268,43 +275,55 @@ def build_builtin(out_dir: Path) -> dict:
 
 
 def _build(out_dir: Path, t0: float) -> dict:
+    from environments.stories import PRETRAIN_SEED, generate_stories
+
+    log = build_logger("builtin", t0)
+    stories = generate_stories(CORPUS_STORIES, seed=PRETRAIN_SEED)
+    model, tokenizer, info = pretrain_on(stories, train_tokenizer(stories), log)
+    return save_build(out_dir, model, tokenizer, {"version": VERSION, **info, **sample_stats(model, tokenizer)}, t0, log)
+
+
+def build_logger(label: str, t0: float):
+    def log(msg):
+        print(f"[{label} {time.time() - t0:5.0f}s] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def pretrain_on(docs: list[str], tokenizer, log, steps: int = STEPS):
+    """The recipe's model pretrained on ``docs`` (each followed by [EOS]) for ``steps``: ``(model, tokenizer, info)``."""
     import torch
     from transformers import LlamaForCausalLM
 
-    from environments.stories import PRETRAIN_SEED, generate_stories
-
-    def log(msg):
-        print(f"[builtin {time.time() - t0:5.0f}s] {msg}", file=sys.stderr, flush=True)
-
-    stories = generate_stories(CORPUS_STORIES, seed=PRETRAIN_SEED)
-    tokenizer = train_tokenizer(stories)
-    ids = tokenizer(stories, add_special_tokens=True)["input_ids"]  # each story ends with [EOS]
+    ids = tokenizer(docs, add_special_tokens=True)["input_ids"]  # each document ends with [EOS]
     lengths = torch.tensor([len(x) for x in ids])
     stream = torch.tensor([t for x in ids for t in x] + [tokenizer.eos_token_id] * SEQ_LEN)
     starts = torch.cumsum(lengths, 0) - lengths
-    log(f"corpus {len(stories)} stories, {int(lengths.sum())} tokens, vocab {len(tokenizer)}")
+    log(f"corpus {len(docs)} documents, {int(lengths.sum())} tokens, vocab {len(tokenizer)}")
     torch.manual_seed(TRAIN_SEED)
     model = LlamaForCausalLM(model_config(len(tokenizer)))
     model.generation_config.bos_token_id = None
     model.generation_config.eos_token_id = 1
-    losses = _pretrain(model, stream, starts, log)
-    stats = sample_stats(model, tokenizer)
+    losses = _pretrain(model, stream, starts, log, steps)
     info = {
-        "version": VERSION,
-        "corpus_stories": len(stories),
+        "corpus_stories": len(docs),
         "corpus_tokens": int(lengths.sum()),
         "vocab_size": len(tokenizer),
         "n_params": sum(p.numel() for p in model.parameters()),
-        "steps": STEPS,
-        "tokens_seen": STEPS * BATCH_SIZE * SEQ_LEN,
+        "steps": steps,
+        "tokens_seen": steps * BATCH_SIZE * SEQ_LEN,
         "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-        **stats,
     }
+    return model, tokenizer, info
+
+
+def save_build(out_dir: Path, model, tokenizer, info: dict, t0: float, log) -> dict:
+    """Save model and tokenizer into ``out_dir`` with ``build_info.json`` (``info`` plus the build seconds)."""
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     info["seconds"] = round(time.time() - t0, 1)
-    (out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    log(f"done: final loss {info['final_loss']:.3f}, happy rate {info['sample_happy_rate']:.2f}")
+    (Path(out_dir) / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"done: final loss {info['final_loss']:.3f}, happy rate {info.get('sample_happy_rate', float('nan')):.2f}")
     return info
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
+from trl_ext.builtin_env_model import BUILTIN_ENV
 from trl_ext.config import LLAMA_PROJECTIONS, ExtGRPOConfig, RunArgs
+from trl_ext.models import STORY_MODELS, model_source, prepare_tokenizer
 from trl_ext.naming import run_name
 from trl_ext.registry import ConfigError
 
@@ -73,8 +75,6 @@ def build_plan(argv: list[str]) -> Plan:
 
 def check_env_run(run: RunArgs, cfg: ExtGRPOConfig) -> None:
     """--env replaces --reward (the environment's reward is the reward) and needs a tokenizer for its text."""
-    from trl_ext.builtin_env_model import BUILTIN_ENV
-
     if not cfg.env:
         if not run.reward:
             raise ConfigError("--reward is required (a reward binding name from --config), or --env")
@@ -85,14 +85,14 @@ def check_env_run(run: RunArgs, cfg: ExtGRPOConfig) -> None:
         raise ConfigError("--env and --reward/--eval_rewards exclude each other: the environment gives the reward")
     if cfg.dual_lora or cfg.gradient_routing:
         raise ConfigError("--env runs do not support dual LoRA / gradient routing (no reward-hacking detector)")
-    if run.model == "builtin":
-        raise ConfigError(f"--env needs --model {BUILTIN_ENV} (or an instruct model): the builtin model's "
+    if run.model in STORY_MODELS:
+        raise ConfigError(f"--env needs --model {BUILTIN_ENV} (or an instruct model): the {run.model} model's "
                           "tokenizer has no symbols for the environments' text (< > _ * # digits)")  # fmt: skip
 
 
 def prompt_source(run: RunArgs) -> str:
     """The `model` argument of `environments.stories.load_prompts` for ``--prompts``."""
-    source = run.prompts or ("builtin" if run.model == "builtin" else "simplestories")
+    source = run.prompts or ("builtin" if run.model in STORY_MODELS else "simplestories")
     return "builtin" if source == "builtin" else run.model
 
 
@@ -119,8 +119,6 @@ def run_training(plan: Plan) -> int:
 
     from environments.stories import load_prompts
     from rewards.config import as_trl_reward
-    from trl_ext.builtin_model import ensure_builtin
-    from trl_ext.models import prepare_tokenizer
     from trl_ext.routing_trainer import routing_setup
     from trl_ext.runlog import Tee, write_run_config
     from trl_ext.trainer import ExtGRPOTrainer
@@ -136,16 +134,12 @@ def run_training(plan: Plan) -> int:
     setup_wandb(plan)
     write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
 
-    model_path = str(ensure_builtin(rebuild=run.rebuild_builtin)) if run.model == "builtin" else run.model
-    if cfg.env:
-        from trl_ext.builtin_env_model import BUILTIN_ENV, ensure_builtin_env
-
-        model_path = str(ensure_builtin_env(rebuild=run.rebuild_builtin)) if run.model == BUILTIN_ENV else run.model
+    model_path = model_source(run.model, rebuild=run.rebuild_builtin)
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_path))
     if cfg.env:
         from trl_ext.env_trainer import env_dataset, env_reward
 
-        train_dataset, reward_funcs = env_dataset(cfg.env, run.num_prompts, tokenizer), [env_reward]
+        train_dataset, reward_funcs = env_dataset(cfg.build_env(), run.num_prompts, tokenizer), [env_reward]
     else:
         train_dataset = load_prompts(
             prompt_source(run), tokenizer, run.prompt_length, "train", run.num_prompts, cfg.seed

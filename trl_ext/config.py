@@ -34,8 +34,9 @@ class RunArgs:
     model: str = field(
         default="builtin",
         metadata={
-            "help": "'builtin' (the embedded offline SimpleStories-shaped model, built on first use), a hub id "
-            "such as SimpleStories/SimpleStories-1.25M, or a local path saved with save_pretrained."
+            "help": "'builtin' (the embedded offline SimpleStories-shaped model, built on first use), its variants "
+            "'builtin_mood' (stories titled 'A happy story.' carry that mood: context distillation) and "
+            "'builtin_env' (--env), a hub id such as SimpleStories/SimpleStories-1.25M, or a local path."
         },
     )
     config: str = field(default="config.yaml", metadata={"help": "YAML file binding reward and detector names."})
@@ -44,7 +45,7 @@ class RunArgs:
         metadata={
             "help": "Story prompt source: 'builtin' (held-out part of the builtin corpus) or 'simplestories' (the "
             "SimpleStories dataset: train split for training, test split for eval). Unset: 'builtin' for "
-            "--model builtin, 'simplestories' for any other model (pass 'builtin' for checkpoints of builtin runs)."
+            "--model builtin/builtin_mood, 'simplestories' for any other model (pass 'builtin' for checkpoints of builtin runs)."
         },
     )
     prompt_length: int = field(default=8, metadata={"help": "Prompt prefix length in tokens."})

@@ -23,7 +23,7 @@ import torch
 from datasets import Dataset
 
 from environments.base import SEPARATOR, Trajectory, check_max_turns, env_class, feedback_text, make_env
-from environments.base import no_think_rewrite
+from environments.base import no_think_rewrite, parse_env_params
 from trl_ext.advantages import ADV_ESTIMATORS, compute_advantages
 from trl_ext.registry import ConfigError
 
@@ -40,6 +40,12 @@ class EnvArgs:
         default="",
         metadata={"help": "Train on a text environment (RAGEN): two_armed_bandit, sokoban, frozenlake, arithmetic, "
                   "prisoners_dilemma. Replaces --reward: the reward is the episode's summed step rewards."},
+    )  # fmt: skip
+    env_params: str = field(
+        default="",
+        metadata={"help": "Environment parameters, key=value pairs separated by commas (values are YAML scalars), "
+                  "e.g. 'slippery=true' or 'size=8,p_frozen=0.9' (frozenlake), 'size=7' (sokoban), "
+                  "'opponent=always_defect' or 'opponent=random' (prisoners_dilemma). Unset: the environment's defaults."},
     )  # fmt: skip
     max_turns: int | None = field(
         default=None, metadata={"help": "Turns per episode (RAGEN max_turns); default: the environment's own."}
@@ -61,11 +67,16 @@ class EnvArgs:
         if self.max_turns is not None:
             check_max_turns(self.max_turns)
         if not self.env:
-            for flag, on in (("--max_turns", self.max_turns is not None), ("--no_think_rl", self.no_think_rl)):
+            for flag, on in (("--max_turns", self.max_turns is not None), ("--no_think_rl", self.no_think_rl),
+                             ("--env_params", bool(self.env_params))):  # fmt: skip
                 if on:
                     raise ConfigError(f"{flag} needs --env")
             return
-        env_class(self.env)  # ConfigError listing the environments (single-step ones end after turn 1 anyway)
+        self.build_env()  # ConfigError listing the environments, or naming a bad parameter or value
+
+    def build_env(self):
+        """A fresh environment ``--env`` with ``--env_params``."""
+        return make_env(self.env, **parse_env_params(self.env_params))
 
     @property
     def turns(self) -> int:
@@ -83,9 +94,8 @@ def env_prompt(env, observation: str, tokenizer):
     return observation + SEPARATOR
 
 
-def env_dataset(env_name: str, n: int, tokenizer, start: int = TRAIN_LEVELS) -> Dataset:
-    """``n`` rows (``prompt``, ``env_seed``) for the levels seeded ``start .. start + n - 1``."""
-    env = make_env(env_name)
+def env_dataset(env, n: int, tokenizer, start: int = TRAIN_LEVELS) -> Dataset:
+    """``n`` rows (``prompt``, ``env_seed``) for ``env``'s levels seeded ``start .. start + n - 1``."""
     seeds = list(range(start, start + n))
     return Dataset.from_dict({"prompt": [env_prompt(env, env.reset(s), tokenizer) for s in seeds], "env_seed": seeds})
 
@@ -137,7 +147,7 @@ def env_rollout(prompts: list, trainer) -> dict:
     """TRL ``rollout_func``: play one episode per prompt (seeds from the batch rows) and return its tokens."""
     args, tok = trainer.args, trainer.processing_class
     seeds = [row["env_seed"] for row in trainer._env_rows]
-    envs = [make_env(args.env) for _ in seeds]
+    envs = [args.build_env() for _ in seeds]
     trajs = [Trajectory(s, e.reset(s)) for e, s in zip(envs, seeds, strict=True)]
     chat = not isinstance(prompts[0], str)
     msgs = [list(p) for p in prompts] if chat else None

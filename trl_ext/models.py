@@ -1,6 +1,7 @@
 """Resolve ``--model`` and load a causal LM with its tokenizer prepared for GRPO generation.
 
-``--model builtin`` is the embedded offline model (``trl_ext.builtin_model``); anything else is a
+``--model builtin`` is the embedded offline model (``trl_ext.builtin_model``), ``builtin_env`` and
+``builtin_mood`` its variants for the environments and for context distillation; anything else is a
 local directory or a hub id loaded with ``from_pretrained`` (e.g. ``SimpleStories/SimpleStories-1.25M``:
 no BOS, ``[EOS]`` = 1, no PAD, prompts tokenized with ``add_special_tokens=False``, generation until EOS).
 """
@@ -12,8 +13,14 @@ from pathlib import Path
 
 import torch
 
+from trl_ext.builtin_env_model import BUILTIN_ENV, ensure_builtin_env
 from trl_ext.builtin_model import BUILTIN, ensure_builtin
+from trl_ext.builtin_mood_model import BUILTIN_MOOD, ensure_builtin_mood
 from trl_ext.registry import ConfigError
+
+# --model name -> the function that returns its built directory (building it on first use)
+BUILTIN_MODELS = {BUILTIN: ensure_builtin, BUILTIN_ENV: ensure_builtin_env, BUILTIN_MOOD: ensure_builtin_mood}
+STORY_MODELS = (BUILTIN, BUILTIN_MOOD)  # builtin models trained on the builtin stories (their prompts' source)
 
 
 def _looks_like_path(model: str) -> bool:
@@ -21,10 +28,10 @@ def _looks_like_path(model: str) -> bool:
 
 
 def resolve_model_arg(model: str) -> str:
-    """Validate ``--model`` without loading anything: "builtin", an existing local path, or a hub id."""
+    """Validate ``--model`` without loading anything: a builtin name, an existing local path, or a hub id."""
     if not model:
         raise ConfigError("--model must not be empty")
-    if model == BUILTIN:
+    if model in BUILTIN_MODELS:
         return model
     if _looks_like_path(model):
         path = Path(model).expanduser()
@@ -34,15 +41,16 @@ def resolve_model_arg(model: str) -> str:
     return model
 
 
-def model_source(model: str) -> str:
-    """What ``from_pretrained`` loads for ``--model``: the built directory for "builtin" (built on first use).
+def model_source(model: str, rebuild: bool = False) -> str:
+    """What ``from_pretrained`` loads for ``--model``: the built directory of a builtin model (built on
+    first use, or again with ``rebuild``), else the path or hub id.
 
     Pass this string (not an in-memory model) to GRPOTrainer when beta > 0: TRL reloads the reference
     model from it.
     """
     model = resolve_model_arg(model)
-    if model == BUILTIN:
-        return str(ensure_builtin())
+    if model in BUILTIN_MODELS:
+        return str(BUILTIN_MODELS[model](rebuild=rebuild))
     return model
 
 

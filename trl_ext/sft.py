@@ -19,7 +19,8 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
-from environments.base import Trajectory, answer_text, env_class, make_env, run_episodes, truncate_after_answer
+from environments.base import Trajectory, answer_text, env_class, make_env, parse_env_params, run_episodes
+from environments.base import truncate_after_answer
 from environments.solvers import shortest_actions, solver_env_names
 from trl_ext.env_trainer import HELDOUT_LEVELS, TRAIN_LEVELS, decode_agent, uses_chat
 from trl_ext.registry import ConfigError
@@ -48,15 +49,21 @@ class SFTArgs:
             if not env_class(self.env).has_solver:
                 raise ConfigError(f"--mode sft: environment {self.env!r} has no BFS solver; "
                                   f"environments with one: {', '.join(solver_env_names())}")  # fmt: skip
+            env = self.build_env()
+            env.reset(TRAIN_LEVELS)
+            try:
+                env.solver_state()  # raises when --env_params make the solver inapplicable (slippery ice)
+            except ConfigError as e:
+                raise ConfigError(f"--mode sft: {e}") from None
 
 
 def _prompt(traj: Trajectory, env, chat: bool):
     return traj.messages(system=env.instructions) if chat else traj.history_text()
 
 
-def sft_records(env_name: str, n: int, start: int, chat: bool) -> list[dict]:
+def sft_records(env_name: str, n: int, start: int, chat: bool, env_params: dict | None = None) -> list[dict]:
     """(prompt, completion) records along the BFS paths of levels ``start .. start + n - 1``."""
-    env = make_env(env_name)
+    env = make_env(env_name, **(env_params or {}))
     records = []
     for seed in range(start, start + n):
         traj = Trajectory(seed, env.reset(seed))
@@ -88,14 +95,19 @@ def model_policy(model, tokenizer, env, max_new_tokens: int, do_sample: bool = F
     return policy
 
 
-def validate(model, tokenizer, env_name: str, n: int, max_turns: int, max_new_tokens: int, batch: int = 50) -> dict:
-    """Greedy rollouts on the held-out levels ``HELDOUT_LEVELS .. + n - 1``: success rate, mean return."""
+def validate(
+    model, tokenizer, env_name: str, n: int, max_turns: int, max_new_tokens: int, batch: int = 50,
+    env_params: dict | None = None, do_sample: bool = False,
+) -> dict:
+    """Rollouts (greedy, or sampled at temperature 1) on the held-out levels ``HELDOUT_LEVELS .. + n - 1``:
+    success rate, mean return, invalid-answer fraction."""
     trajs = []
     model.eval()
     for lo in range(0, n, batch):
         seeds = list(range(HELDOUT_LEVELS + lo, HELDOUT_LEVELS + min(n, lo + batch)))
-        envs = [make_env(env_name) for _ in seeds]
-        trajs += run_episodes(envs, model_policy(model, tokenizer, envs[0], max_new_tokens), seeds, max_turns)
+        envs = [make_env(env_name, **(env_params or {})) for _ in seeds]
+        policy = model_policy(model, tokenizer, envs[0], max_new_tokens, do_sample)
+        trajs += run_episodes(envs, policy, seeds, max_turns)
     return {
         "levels": n,
         "success_rate": sum(t.success for t in trajs) / n,
@@ -110,9 +122,8 @@ def run_sft(plan) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from trl_ext.builtin_env_model import BUILTIN_ENV, ensure_builtin_env
     from trl_ext.config import LLAMA_PROJECTIONS
-    from trl_ext.models import prepare_tokenizer
+    from trl_ext.models import model_source, prepare_tokenizer
     from trl_ext.runlog import Tee, write_run_config
 
     run, cfg = plan.run, plan.cfg
@@ -120,13 +131,14 @@ def run_sft(plan) -> int:
     tee = Tee(plan.run_dir / "train.log")
     print(f"$ train.py {shlex.join(plan.argv)}\nrun dir: {plan.run_dir}", flush=True)
     write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
-    model_path = str(ensure_builtin_env()) if run.model == BUILTIN_ENV else run.model
+    model_path = model_source(run.model)
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_path))
     model = AutoModelForCausalLM.from_pretrained(model_path)
-    records = sft_records(cfg.env, cfg.sft_train_size, TRAIN_LEVELS, uses_chat(tokenizer))
+    env_params = parse_env_params(cfg.env_params)
+    records = sft_records(cfg.env, cfg.sft_train_size, TRAIN_LEVELS, uses_chat(tokenizer), env_params)
     print(f"sft: {len(records)} records from {cfg.sft_train_size} BFS-solved levels", flush=True)
     val_args = (cfg.env, cfg.sft_test_size, cfg.turns, cfg.max_completion_length)
-    before = validate(model, tokenizer, *val_args)
+    before = validate(model, tokenizer, *val_args, env_params=env_params)
     print(f"validation before SFT: {before}", flush=True)
     peft_config = None
     if run.lora_rank:
@@ -149,7 +161,7 @@ def run_sft(plan) -> int:
     model_dir = plan.run_dir / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    after = validate(model, tokenizer, *val_args)
+    after = validate(model, tokenizer, *val_args, env_params=env_params)
     print(f"validation after SFT: {after}", flush=True)
     summary = {
         "status": "done", "mode": "sft", "run_name": cfg.run_name, "env": cfg.env, "records": len(records),
