@@ -198,7 +198,7 @@ def make_env(name: str, **params) -> Environment:
         ) from None
     try:
         return cls(**params)
-    except (ValueError, KeyError) as e:
+    except ValueError as e:  # includes ConfigError (e.g. an unknown opponent)
         raise ConfigError(f"environment {name!r}: {e}") from None
 
 

@@ -227,3 +227,22 @@ def test_eval_dual_lora_routing(builtin_path, tmp_path):
     skipped = subprocess.run([sys.executable, "eval_run.py", *argv, "--no_routing_eval"], cwd=ROOT,
                              capture_output=True, text=True, env=env)  # fmt: skip
     assert skipped.returncode == 0 and json.loads((tmp_path / "eval_checkpoint-0.json").read_text())["routing"] is None
+
+
+@pytest.mark.parametrize("model, prompts, expected", [
+    ("builtin", None, "builtin"), ("builtin_mood", None, "builtin"), ("/runs/ckpt-of-builtin", "builtin", "builtin"),
+    ("/runs/hub-copy", None, "/runs/hub-copy"), ("SimpleStories/SimpleStories-1.25M", None, "SimpleStories/SimpleStories-1.25M"),
+])  # fmt: skip
+def test_prompt_source_follows_the_run(tmp_path, model, prompts, expected):
+    import yaml
+
+    ckpt = tmp_path / "ckpt"
+    _plain(ckpt)
+    (ckpt / "tokenizer_config.json").write_text("{}")
+    run = {"model": model, "prompt_length": 8, "reward": "happy_binary", **({"prompts": prompts} if prompts else {})}
+    cfg = {"max_completion_length": 8, "temperature": 1.0}
+    (tmp_path / "run_config.yaml").write_text(yaml.safe_dump({"RunArgs": run, "ExtGRPOConfig": cfg}))
+    args = ev.EvalArgs(model_path=str(ckpt))
+    assert ev.resolve(args)["prompt_source"] == expected
+    args.prompt_source = "builtin"  # an explicit flag wins
+    assert ev.resolve(args)["prompt_source"] == "builtin"

@@ -47,7 +47,8 @@ class EvalArgs:
     config: str | None = _help("Reward YAML (default: the run's --config).")
     rh_detector: str | None = _help("RH detector binding for rh_rate (default: the run's, else the reward's own).")
     no_routing_eval: bool = _help("Skip the both / retain_only / forget_only ablations of a dual-LoRA model.", False)
-    prompt_source: str | None = _help("Held-out prompts of 'builtin' or a hub model id (default: the run's --model).")
+    prompt_source: str | None = _help("Held-out prompts of 'builtin' or a hub model id (default: the run's, as train.py "
+                                      "chose them from its --prompts and --model).")
     prompt_length: int | None = _help("Prompt length in tokens (default: the run's).")
     max_new_tokens: int | None = _help("Completion tokens (default: the run's max_completion_length).")
     temperature: float | None = _help("Sampling temperature (default: the run's).")
@@ -151,6 +152,7 @@ def find_run_config(model_path: Path) -> dict | None:
 def resolve(args: EvalArgs) -> dict:
     """Everything the evaluation needs, checked before any model is loaded (ConfigError otherwise)."""
     from rewards.config import load_reward_config
+    from trl_ext.cli_train import prompt_source
     from trl_ext.config import RunArgs
 
     if not args.model_path:
@@ -170,7 +172,8 @@ def resolve(args: EvalArgs) -> dict:
         return source[key]
 
     s = {"path": path, "kind": kind, "run_config_found": bool(run_cfg),
-         "prompt_source": pick("prompt_source", args.prompt_source, run, "model"),
+         "prompt_source": args.prompt_source or prompt_source(RunArgs(
+             model=pick("prompt_source", None, run, "model"), prompts=run.get("prompts"))),  # as train.py chose them
          "prompt_length": pick("prompt_length", args.prompt_length, run, "prompt_length"),
          "generation": {"max_new_tokens": pick("max_new_tokens", args.max_new_tokens, cfg, "max_completion_length"),
                         "temperature": pick("temperature", args.temperature, cfg, "temperature"),
