@@ -8,7 +8,7 @@
 
     uv run python experiments/env_experiments.py [--out experiments/results/environments.md]
 
-The SFT stage (~13 minutes on 2 idle cores) is reused when its run directory already holds a
+The SFT stage (20 minutes measured on 2 shared cores) is reused when its run directory already holds a
 ``run_summary.json`` (same flags give the same run name).
 """
 
