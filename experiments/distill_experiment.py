@@ -55,11 +55,11 @@ LONG = "pure distillation, 160 steps"  # the first configuration, trained 4x lon
 LONG_STEPS = 160
 
 
-def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from trl.trainer.utils import pad
+
+    tensors = [torch.tensor(r, dtype=torch.long) for r in rows]
+    return pad(tensors, pad_id, "left"), pad([torch.ones_like(t) for t in tensors], 0, "left")
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from trl.trainer.utils import pad
 
 from trl_ext.registry import ConfigError
 
@@ -123,12 +124,8 @@ def build_teacher_inputs(
             rows.append(torch.cat([context, real]))
     if min(row.numel() for row in rows) == 0:
         raise ValueError("a row has neither context nor prompt tokens: its first completion token has no logit")
-    width = max(row.numel() for row in rows)
-    teacher_ids = prompt_ids.new_full((len(rows), width), pad_id)
-    teacher_mask = prompt_mask.new_zeros((len(rows), width))
-    for i, row in enumerate(rows):
-        teacher_ids[i, width - row.numel() :] = row
-        teacher_mask[i, width - row.numel() :] = 1
+    teacher_ids = pad(rows, padding_value=pad_id, padding_side="left")
+    teacher_mask = pad([torch.ones_like(row, dtype=prompt_mask.dtype) for row in rows], 0, "left")
     input_ids = torch.cat([teacher_ids, completion_ids], dim=1)
     attention_mask = torch.cat([teacher_mask, completion_mask.to(teacher_mask.dtype)], dim=1)
     return input_ids, attention_mask, completion_ids.size(1)

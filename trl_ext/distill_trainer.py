@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from trl.trainer.utils import pad
 
 from trl_ext.distill import DistillConfig, build_teacher_inputs, distill_advantages, distill_metrics, encode_context
 from trl_ext.distill import teacher_logprobs, token_kl_bonus
@@ -318,14 +319,10 @@ def eval_baseline(trainer, prompts: list[str], scorers: dict[str, callable]) -> 
     ``--seed`` without touching the training RNG. Prints one line per side and writes
     ``{output_dir}/eval_baseline.json``."""
     policy = trainer.accelerator.unwrap_model(trainer.model)
-    ids = [torch.tensor(row) for row in trainer._tokenize_prompts(prompts)[0]]
-    width = max(len(row) for row in ids)
+    ids = [torch.tensor(row, dtype=torch.long) for row in trainer._tokenize_prompts(prompts)[0]]
     device = trainer.accelerator.device
-    prompt_ids = torch.full((len(ids), width), trainer._tokenizer.pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for i, row in enumerate(ids):
-        prompt_ids[i, width - len(row):], prompt_mask[i, width - len(row):] = row, 1
-    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    prompt_ids = pad(ids, padding_value=trainer._tokenizer.pad_token_id, padding_side="left").to(device)
+    prompt_mask = pad([torch.ones_like(row) for row in ids], padding_value=0, padding_side="left").to(device)
     results = {}
     was_training = policy.training
     policy.eval()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from trl.trainer.utils import pad
 
 
 @dataclass(frozen=True)
@@ -92,14 +93,12 @@ def sample(
     numbers them 0..len-1 over the padded row exactly as the trainer's forward over the same padded row does.
     """
     device = next(model.parameters()).device
-    batch, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+    batch = len(prompt_ids)
     if min(len(p) for p in prompt_ids) == 0:
         raise ValueError("every prompt needs at least one token")
-    ids = torch.full((batch, width), params.pad_token_id, dtype=torch.long, device=device)
-    attention = torch.zeros((batch, width), dtype=torch.long, device=device)
-    for i, p in enumerate(prompt_ids):
-        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attention[i, width - len(p) :] = 1
+    rows = [torch.tensor(p, dtype=torch.long, device=device) for p in prompt_ids]
+    ids = pad(rows, padding_value=params.pad_token_id, padding_side="left")
+    attention = pad([torch.ones_like(row) for row in rows], padding_value=0, padding_side="left")
     eos = torch.tensor(params.eos_token_ids, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, logps, alive, versions, past = [], [], [], [], None
