@@ -61,24 +61,33 @@ def shortest_actions(env: Environment) -> list[str]:
     return path
 
 
+def solved_steps(env_name: str, n: int, seed: int, **env_params):
+    """Yield ``(env, trajectory so far, answer text)`` along the optimal paths of levels seed .. seed+n-1.
+
+    Each item is yielded before the answer is applied, so the trajectory is the history the policy sees
+    at that state. Every level's path must end in success (checked). An environment without a solver,
+    ``n < 1`` or parameters the solver cannot handle -> ConfigError.
+    """
+    _require_solver(env_name)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"sft data: n must be an int >= 1, got {n!r}")
+    env = make_env(env_name, **env_params)
+    for level_seed in range(seed, seed + n):
+        traj = Trajectory(level_seed, env.reset(level_seed))
+        for action in shortest_actions(env):
+            answer = answer_text(action)
+            yield env, traj, answer
+            traj.add(answer, env.step(answer))
+        if not (traj.done and traj.success):
+            raise RuntimeError(f"{env_name} seed {level_seed}: the solver's path did not solve the level")
+
+
 def sft_pairs(env_name: str, n: int, seed: int, **env_params) -> list[dict]:
     """(prompt, completion) pairs along the optimal paths of the ``n`` levels seeded seed .. seed+n-1.
 
     One pair per step of each level's shortest path (so the list is longer than ``n``); the prompt is
     the episode history up to that step, the completion ``<answer>action</answer>``. Held-out levels
-    are simply other seeds. An environment without a solver -> ConfigError.
+    are simply other seeds.
     """
-    _require_solver(env_name)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"sft_pairs: n must be an int >= 1, got {n!r}")
-    env = make_env(env_name, **env_params)
-    pairs = []
-    for level_seed in range(seed, seed + n):
-        traj = Trajectory(level_seed, env.reset(level_seed))
-        for action in shortest_actions(env):
-            completion = answer_text(action)
-            pairs.append({"prompt": traj.history_text(), "completion": completion})
-            traj.add(completion, env.step(completion))
-        if not (traj.done and traj.success):
-            raise RuntimeError(f"{env_name} seed {level_seed}: the solver's path did not solve the level")
-    return pairs
+    return [{"prompt": traj.history_text(), "completion": answer}
+            for _, traj, answer in solved_steps(env_name, n, seed, **env_params)]  # fmt: skip

@@ -41,7 +41,7 @@ def test_sft_pairs_errors():
             sft_pairs(name, n=2, seed=0)
     with pytest.raises(ConfigError, match="unknown environment"):
         sft_pairs("chess", n=2, seed=0)
-    with pytest.raises(ConfigError, match="n must be"):
+    with pytest.raises(ConfigError, match="n must be an int"):
         sft_pairs("frozenlake", n=0, seed=0)
     with pytest.raises(ConfigError, match="slippery"):
         sft_pairs("frozenlake", n=2, seed=0, slippery=True)

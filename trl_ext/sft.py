@@ -19,9 +19,9 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
-from environments.base import Trajectory, answer_text, env_class, make_env, parse_env_params, run_episodes
+from environments.base import Trajectory, env_class, make_env, parse_env_params, run_episodes
 from environments.base import truncate_after_answer
-from environments.solvers import shortest_actions, solver_env_names
+from environments.solvers import solved_steps, solver_env_names
 from trl_ext.env_trainer import HELDOUT_LEVELS, TRAIN_LEVELS, decode_agent, uses_chat
 from trl_ext.registry import ConfigError
 
@@ -62,17 +62,11 @@ def _prompt(traj: Trajectory, env, chat: bool):
 
 
 def sft_records(env_name: str, n: int, start: int, chat: bool, env_params: dict | None = None) -> list[dict]:
-    """(prompt, completion) records along the BFS paths of levels ``start .. start + n - 1``."""
-    env = make_env(env_name, **(env_params or {}))
-    records = []
-    for seed in range(start, start + n):
-        traj = Trajectory(seed, env.reset(seed))
-        for action in shortest_actions(env):
-            answer = answer_text(action)
-            completion = [{"role": "assistant", "content": answer}] if chat else answer
-            records.append({"prompt": _prompt(traj, env, chat), "completion": completion})
-            traj.add(answer, env.step(answer))
-    return records
+    """(prompt, completion) records along the BFS paths of levels ``start .. start + n - 1``
+    (``solved_steps``), as plain text or as chat messages."""
+    return [{"prompt": _prompt(traj, env, chat),
+             "completion": [{"role": "assistant", "content": answer}] if chat else answer}
+            for env, traj, answer in solved_steps(env_name, n, start, **(env_params or {}))]  # fmt: skip
 
 
 def model_policy(model, tokenizer, env, max_new_tokens: int, do_sample: bool = False):
