@@ -16,7 +16,7 @@ from transformers import HfArgumentParser
 
 from trl_ext.builtin_env_model import BUILTIN_ENV
 from trl_ext.config import LLAMA_PROJECTIONS, ExtGRPOConfig, RunArgs
-from trl_ext.models import STORY_MODELS, model_source, prepare_tokenizer
+from trl_ext.models import STORY_MODELS, model_source, prepare_tokenizer, resolve_model_arg
 from trl_ext.naming import run_name
 from trl_ext.registry import ConfigError
 
@@ -45,7 +45,6 @@ def adapter_tag(run: RunArgs, cfg: ExtGRPOConfig) -> str:
 def build_plan(argv: list[str]) -> Plan:
     """Parse ``argv`` and validate the run; raises ConfigError (argparse itself exits 2 on bad flags)."""
     from rewards.config import load_reward_config
-    from trl_ext.models import resolve_model_arg
     from trl_ext.distill_trainer import check_run_distill
     from trl_ext.routing_trainer import check_run_routing
 
