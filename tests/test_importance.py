@@ -14,6 +14,7 @@ from trl_ext.importance import (
     check_loss_type,
     importance_loss,
     policy_lag_stats,
+    reference_kl,
 )
 from trl_ext.registry import ConfigError
 
@@ -241,6 +242,104 @@ def test_kl_tau_term_and_gradient(loss_type, kwargs):
     assert out.loss.item() == pytest.approx(expected, rel=1e-13)
     grad = [[-coeff[(i, j)] / norm[(i, j)] if (i, j) in kept else 0.0 for j in range(3)] for i in range(2)]
     assert torch.allclose(lp_t.grad, torch.tensor(grad, dtype=F64), rtol=1e-13, atol=0)
+
+
+# ---------------------------------------------------------------- reference-model KL under the masks and clips
+
+# token ratios per row (None = padding). Masks: token [0.125, 8], sequence [0.1, 100], geo [0.35, 2], token clip 2.
+KL_RATIOS = [
+    [0.12, 1.2, 10.0, 4.0],  # token_low, kept, token_high, kept but clipped 4 -> 2 (geo 5.76^(1/4) = 1.55)
+    [1.5, 3.0, None, None],  # geo_high: geo = sqrt(4.5) = 2.12 > 2, whole row dropped
+    [0.3, 0.3, None, None],  # geo_low: geo 0.3 < 0.35
+    [0.05, 1.0, 1.0, None],  # seq_low: min 0.05 < 0.1 (geo 0.05^(1/3) = 0.37); the two 1.0 tokens fall with it
+    [150.0, 0.2, 0.2, 0.2],  # seq_high: max 150 > 100 (geo 1.2^(1/4) = 1.05); the three 0.2 tokens fall with it
+    [0.9, 1.1, None, None],  # kept
+]
+KL_MASKS = {"token_mask_low": 0.125, "token_mask_high": 8.0, "sequence_mask_low": 0.1, "sequence_mask_high": 100.0,
+            "geo_mask_low": 0.35, "geo_mask_high": 2.0, "token_clip_high": 2.0}
+KL_KEEP = [[0, 1, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]]
+LP_B, LP_REF = -1.0, -1.5  # every behaviour log-prob, every reference log-prob
+
+
+def kl_inputs():
+    logr = [[0.0 if r is None else math.log(r) for r in row] for row in KL_RATIOS]
+    mask = [[r is not None for r in row] for row in KL_RATIOS]
+    lp_t, lp_b, m, a = batch(logr, [[LP_B] * 4] * 6, mask, [1.0] * 6)
+    return lp_t, lp_b, m, a, torch.full_like(lp_b, LP_REF)
+
+
+def k3(r):  # lp = LP_B + log r, delta = lp_ref - lp
+    delta = LP_REF - LP_B - math.log(r)
+    return math.exp(delta) - delta - 1
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_reference_kl_respects_masks_and_token_clip(bias_correction):
+    lp_t, lp_b, m, a, lp_ref = kl_inputs()
+    c = cfg(**KL_MASKS)
+    keep = importance_loss(lp_t, lp_b, a, m, c, "grpo").masks["keep"]
+    assert keep.int().tolist() == KL_KEEP  # one token or row dropped by each mask kind
+    kl = reference_kl(lp_t, lp_ref, lp_b, m, keep, c, bias_correction=bias_correction)
+    kl.sum().backward()
+    w = {1.2: 1.2, 4.0: 2.0, 0.9: 0.9, 1.1: 1.1}  # the policy term's ratio, clipped at 2
+    # d/dlp of w*k3: unclipped w = r carries gradient, r*(k3 + 1 - exp(delta)); a clipped w is a constant
+    expected, grad = [[0.0] * 4 for _ in range(6)], [[0.0] * 4 for _ in range(6)]
+    for i, j in [(0, 1), (0, 3), (5, 0), (5, 1)]:
+        r = KL_RATIOS[i][j]
+        e = math.exp(LP_REF - LP_B - math.log(r))
+        if not bias_correction:
+            expected[i][j], grad[i][j] = k3(r), 1 - e
+        elif w[r] == r:
+            expected[i][j], grad[i][j] = r * k3(r), r * (k3(r) + 1 - e)
+        else:
+            expected[i][j], grad[i][j] = w[r] * k3(r), w[r] * (1 - e)
+    assert torch.allclose(kl, torch.tensor(expected, dtype=F64), rtol=1e-13, atol=0)
+    assert torch.allclose(lp_t.grad, torch.tensor(grad, dtype=F64), rtol=1e-13, atol=0)
+    if bias_correction:  # the clipped token: weight 2, not its raw ratio 4
+        assert kl[0, 3].item() == pytest.approx(2.0 * k3(4.0), rel=1e-13) and 2.0 * k3(4.0) < 4.0 * k3(4.0)
+
+
+def test_reference_kl_sequence_ratio():
+    # ratios [1.5, 0.8, 9]: token 2 dropped by token_mask_high 8; w = the sequence ratio 1.5 * 0.8 * 9 = 10.8 (the
+    # dropped token's value counts), its gradient flows through the kept tokens only; row 1 is clipped at 5.
+    logr = [[math.log(1.5), math.log(0.8), math.log(9.0)], [math.log(3.0), math.log(2.0), 0.0]]
+    lp_t, lp_b, m, a = batch(logr, [[LP_B] * 3] * 2, [[1, 1, 1], [1, 1, 0]], [1.0, 1.0])
+    lp_ref = torch.full_like(lp_b, LP_REF)
+    c = cfg(ratio_type="sequence", token_mask_high=8.0, sequence_clip_high=20.0)
+    keep = importance_loss(lp_t, lp_b, a, m, c, "grpo").masks["keep"]
+    assert keep.tolist() == [[True, True, False], [True, True, False]]
+    kl = reference_kl(lp_t, lp_ref, lp_b, m, keep, c, bias_correction=True)
+    kl.sum().backward()
+    s0 = 1.5 * 0.8 * 9.0
+    row0 = [s0 * k3(1.5), s0 * k3(0.8), 0.0]
+    row1 = [6.0 * k3(3.0), 6.0 * k3(2.0), 0.0]  # sequence ratio 6 < clip 20
+    assert kl.tolist() == [pytest.approx(row0, rel=1e-13), pytest.approx(row1, rel=1e-13)]
+    # d/dlp_j of s * sum_t k3_t = s * sum_t k3_t + s * (1 - exp(delta_j)) for a kept j; 0 for the dropped token
+    for i, (ratios, s) in enumerate([([1.5, 0.8], s0), ([3.0, 2.0], 6.0)]):
+        total = sum(k3(r) for r in ratios)
+        want = [s * total + s * (1 - math.exp(LP_REF - LP_B - math.log(r))) for r in ratios]
+        assert lp_t.grad[i, :2].tolist() == pytest.approx(want, rel=1e-12)
+        assert lp_t.grad[i, 2].item() == 0.0
+    lp_t.grad = None
+    clipped = cfg(ratio_type="sequence", token_mask_high=8.0, sequence_clip_high=5.0)
+    kl = reference_kl(lp_t, lp_ref, lp_b, m, keep, clipped, bias_correction=True)
+    kl.sum().backward()  # both rows clipped at 5 (10.8 and 6): w is a constant 5
+    assert kl[:, :2].flatten().tolist() == pytest.approx([5 * k3(r) for r in (1.5, 0.8, 3.0, 2.0)], rel=1e-13)
+    want = [5 * (1 - math.exp(LP_REF - LP_B - math.log(r))) for r in (1.5, 0.8, 3.0, 2.0)]
+    assert lp_t.grad[:, :2].flatten().tolist() == pytest.approx(want, rel=1e-12)
+
+
+def test_reference_kl_checks_inputs_and_ignores_padding_garbage():
+    lp_t, lp_b, m, a, lp_ref = kl_inputs()
+    keep = importance_loss(lp_t, lp_b, a, m, cfg(**KL_MASKS), "grpo").masks["keep"]
+    with pytest.raises(ValueError, match="shape"):
+        reference_kl(lp_t, lp_ref[:, :2], lp_b, m, keep, cfg(), bias_correction=True)
+    with pytest.raises(ValueError, match="outside the loss mask"):
+        reference_kl(lp_t, lp_ref, lp_b, torch.zeros_like(m), keep, cfg(), bias_correction=True)
+    ref = reference_kl(lp_t, lp_ref, lp_b, m, keep, cfg(**KL_MASKS), bias_correction=True)
+    lp_ref[~m], lp_b[~m] = float("nan"), -math.inf
+    out = reference_kl(lp_t, lp_ref, lp_b, m, keep, cfg(**KL_MASKS), bias_correction=True)
+    assert torch.equal(out, ref)
 
 
 # ---------------------------------------------------------------- padding, empty sequences, bounds

@@ -171,6 +171,36 @@ def test_gradient_equals_stock_trl_on_policy(tmp_path, loss_type, beta, masks):
     assert max(g.abs().max().item() for g in stock) > 1e-3  # a real gradient
 
 
+@pytest.mark.parametrize("clip", [False, True])
+def test_reference_kl_follows_masks_and_clip_through_trainer(tmp_path, clip):
+    """beta > 0 off-policy: the reference log-probs of a dropped sequence (geo mask) and of a token-masked token
+    move no gradient; with --token_clip_high the KL weight of a token whose ratio exceeds it is the clip."""
+    over = {"token_clip_high": 1.5} if clip else {}
+    trainer = make_trainer(tmp_path, max_async_level=1, beta=0.05, **over)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = _batch(trainer)
+    lp_b = inputs["sampling_per_token_logps"].clone()
+    lp_b[3] -= 3.0  # every ratio of row 3 is e^3 = 20 > 10: geo mask drops the row (and the token mask its tokens)
+    lp_b[0, 0] += 3.0  # ratio e^-3 = 0.05 < 0.125: token 0 of row 0 dropped
+    lp_b[1, 2] -= 0.6  # ratio e^0.6 = 1.82: kept, and clipped at 1.5 when clip
+    inputs["sampling_per_token_logps"] = lp_b
+    base = _grads(trainer, opt.OffPolicyMixin._compute_loss, inputs)
+    moved = dict(inputs, ref_per_token_logps=inputs["ref_per_token_logps"].clone())
+    moved["ref_per_token_logps"][3] -= 2.0
+    moved["ref_per_token_logps"][0, 0] -= 2.0
+    assert max((a - b).abs().max().item() for a, b in zip(base, _grads(trainer, opt.OffPolicyMixin._compute_loss,
+                                                                         moved), strict=True)) == 0.0  # fmt: skip
+    kept = dict(inputs, ref_per_token_logps=inputs["ref_per_token_logps"].clone())
+    kept["ref_per_token_logps"][2, 0] -= 2.0  # a kept token: its reference log-prob does move the gradient
+    assert max((a - b).abs().max().item() for a, b in zip(base, _grads(trainer, opt.OffPolicyMixin._compute_loss,
+                                                                         kept), strict=True)) > 1e-6  # fmt: skip
+    metrics = trainer._metrics["train"]
+    assert metrics["offpolicy/geo_masked_high_frac"][-1] == pytest.approx(1 / 6)
+    # 23 loss tokens; ratio > 1.5: row 1 token 2 and the 5 tokens of row 3 (the metric counts dropped tokens too)
+    assert metrics["offpolicy/token_clipped_frac"][-1] == (pytest.approx(6 / 23) if clip else 0.0)
+
+
 # ---------------------------------------------------------------- schedule through the trainer
 
 

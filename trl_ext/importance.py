@@ -36,6 +36,17 @@ division: the normalisation is chosen by ``loss_type`` only, with TRL 1.16 GRPOT
 The caller applies TRL's gradient-accumulation scaling exactly as TRL does for that loss_type. When the trainer and
 behaviour log-probs are equal (r = 1) and nothing is masked, the gradient is -A * d lp / normaliser, the same as
 TRL's unclipped ``-exp(lp - sg(lp)) * A`` for the same loss_type.
+
+Reference-model KL (beta > 0, :func:`reference_kl`): TRL's k3 estimator ``k3 = exp(lp_ref - lp) - (lp_ref - lp) - 1``
+(Schulman 2020, "Approximating KL Divergence"), on the same tokens and with the same importance weight as the policy
+term, so a token the masks drop pushes no gradient at all and a clipped ratio is clipped here too::
+
+    kl_t = keep_t * w_t * k3_t,   w = ratio (the policy term's, clip included) if use_bias_correction_kl else 1
+
+normalised by the same normaliser (loss tokens M). ``w`` keeps its gradient, as TRL's ``coef_1`` does (d/dθ of
+``w * k3``), except through dropped tokens (the sequence ratio sums them: their value counts, not their gradient);
+beyond a clip ``w`` is a constant. prime-rl has no reference-model KL; its per-token terms (the teacher KL of
+the distillation fork) enter ``coeff`` and so obey keep and ratio the same way.
 """
 
 from __future__ import annotations
@@ -258,6 +269,48 @@ def importance_loss(
     per_token = torch.where(keep, -coeff * lp_trainer.to(dtype), zero)
     loss = normalise(per_token, m, num_items_in_batch, max_completion_length)
     return LossOutput(loss=loss, masks=masks, metrics=_metrics(masks, m, has_tokens, logr, ratio, geo_ratio))
+
+
+def reference_kl(
+    lp_trainer: Tensor,
+    lp_ref: Tensor,
+    lp_behaviour: Tensor,
+    loss_mask: Tensor,
+    keep: Tensor,
+    cfg: ImportanceConfig,
+    *,
+    bias_correction: bool,
+) -> Tensor:
+    """Per-token reference-model KL term ``keep * w * k3`` (B, T) of the off-policy loss (module docstring), 0 on
+    dropped tokens and padding; the caller multiplies by beta and normalises like the policy term.
+
+    ``keep`` is ``importance_loss(...).masks["keep"]`` for the same tensors. ``w`` (with ``bias_correction``, TRL's
+    ``use_bias_correction_kl``) is ``min(exp(lp - lp_b), token_clip_high)`` for ratio_type "token" and
+    ``min(exp(min(sum_M (lp - lp_b), 10)), sequence_clip_high)`` for "sequence", differentiable in ``lp_trainer``.
+    """
+    if not (lp_trainer.shape == lp_ref.shape == lp_behaviour.shape == loss_mask.shape == keep.shape):
+        raise ValueError(
+            f"lp_trainer, lp_ref, lp_behaviour, loss_mask and keep must share one (B, T) shape, got "
+            f"{[tuple(t.shape) for t in (lp_trainer, lp_ref, lp_behaviour, loss_mask, keep)]}"
+        )
+    m, keep = loss_mask.bool(), keep.bool()
+    if bool((keep & ~m).any()):
+        raise ValueError("keep marks a token outside the loss mask")
+    dtype = torch.promote_types(lp_trainer.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=lp_trainer.device)
+    lp = torch.where(keep, lp_trainer.to(dtype), zero)  # garbage outside keep never reaches the gradient
+    delta = torch.where(keep, lp_ref.to(dtype), zero) - lp
+    per_token = torch.exp(delta) - delta - 1
+    if bias_correction:
+        logr = torch.where(m, lp_trainer.to(dtype) - torch.where(m, lp_behaviour.to(dtype), zero), zero)
+        logr = torch.where(keep, logr, logr.detach())  # a dropped token's log-prob carries no gradient via w either
+        if cfg.ratio_type == "token":
+            weight = torch.exp(logr).clamp(max=_high(cfg.token_clip_high))
+        else:
+            seq = torch.exp(logr.sum(-1).clamp(max=SEQ_LOG_RATIO_CAP)).clamp(max=_high(cfg.sequence_clip_high))
+            weight = seq.unsqueeze(1).expand_as(logr)
+        per_token = per_token * weight
+    return torch.where(keep, per_token, zero)
 
 
 def _metrics(masks, m, has_tokens, logr, ratio, geo_ratio) -> dict[str, Tensor]:

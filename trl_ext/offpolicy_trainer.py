@@ -6,10 +6,10 @@ With k > 0 a generator thread samples batches ahead of the trainer (``trl_ext.of
 training step uses the masked importance-sampling loss of prime-rl (``trl_ext.importance``) with the recorded behaviour
 log-probs, whatever the masks are set to: with the masks off (``importance.NO_MASK``) it is REINFORCE weighted by the
 plain importance ratio. TRL's PPO clip (epsilon, delta), its sequence-level IS, entropy masks and bonus do not apply
-to that loss and must stay at their defaults; the KL penalty to the reference model (beta) is kept exactly as TRL
-computes it: k3 estimator on the sampled tokens over the loss mask, times exp(lp - lp_behaviour) when
-use_bias_correction_kl (TRL's default; TRL multiplies by the ratio to its old policy, here the behaviour policy),
-normalised like the policy term.
+to that loss and must stay at their defaults. The KL penalty to the reference model (beta) is TRL's k3 estimator on
+the tokens the masks keep, times the policy term's clipped ratio when use_bias_correction_kl (TRL's default; TRL
+multiplies by the ratio to its old policy, here the behaviour policy), normalised like the policy term
+(``importance.reference_kl``): a dropped token pushes no gradient.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from trl import GRPOConfig
 from trl.trainer.utils import RepeatSampler, pad
 
 from trl_ext.importance import NORMALISATIONS, PRIME_RL_DEFAULTS, ImportanceConfig, importance_loss, policy_lag_stats
+from trl_ext.importance import reference_kl
 from trl_ext.offpolicy import PolicyStore, RolloutWorker, SamplingParams, generation_copy
 from trl_ext.registry import ConfigError
 
@@ -276,16 +277,12 @@ class OffPolicyMixin:
                               self.offpolicy_cfg, self.loss_type, **kwargs)  # fmt: skip
         loss = out.loss
         metrics = self._metrics["train"]
-        if self.beta != 0.0:
-            ref = inputs["ref_per_token_logps"]
-            per_token_kl = torch.exp(ref - lp) - (ref - lp) - 1
-            if self.args.use_bias_correction_kl:  # TRL's coef_1, with the behaviour policy as the old policy
-                per_token_kl = per_token_kl * torch.exp(lp - inputs["sampling_per_token_logps"])
-            kl_mask = mask.bool()
-            zero = torch.zeros((), dtype=per_token_kl.dtype, device=per_token_kl.device)
-            normalise = NORMALISATIONS.get(self.loss_type)
-            loss = loss + self.beta * normalise(torch.where(kl_mask, per_token_kl, zero), mask, **kwargs)
-            metrics["kl"].append((per_token_kl.detach() * mask).sum().item() / max(mask.sum().item(), 1))
+        if self.beta != 0.0:  # kept tokens only, weighted by the policy term's (clipped) ratio: importance.py
+            per_token_kl = reference_kl(lp, inputs["ref_per_token_logps"], inputs["sampling_per_token_logps"], mask,
+                                        out.masks["keep"], self.offpolicy_cfg,
+                                        bias_correction=self.args.use_bias_correction_kl)  # fmt: skip
+            loss = loss + self.beta * NORMALISATIONS.get(self.loss_type)(per_token_kl, mask, **kwargs)
+            metrics["kl"].append(per_token_kl.detach().sum().item() / max(mask.sum().item(), 1))
         if self.loss_type not in ("dapo", "token"):
             loss = loss / accumulation
         metrics["entropy"].append((entropies.detach() * mask).sum().item() / max(mask.sum().item(), 1))
