@@ -30,6 +30,7 @@ class Plan:
     reward_config: object  # rewards.config.RewardConfig
     run_dir: Path
     argv: list[str]
+    resume: Path | None = None  # the complete checkpoint a resumed run continues from (`runs.rundir.check_run_dir`)
 
 
 def parser() -> HfArgumentParser:
@@ -98,13 +99,63 @@ def prompt_source(run: RunArgs) -> str:
     return "builtin" if source == "builtin" else run.model
 
 
+def check_start(plan: Plan) -> Plan:
+    """How the run starts in its directory (fresh, resumed, or over a run moved aside); ConfigError otherwise."""
+    from trl_ext.runlog import resolved_config
+    from trl_ext.runs.rundir import check_run_dir
+
+    plan.resume = check_run_dir(plan.run_dir, plan.cfg.resume_from_checkpoint, plan.run.overwrite_run,
+                                resolved_config(plan.run, plan.cfg))
+    return plan
+
+
+def open_run_dir(plan: Plan):
+    """Move an old run aside (--overwrite_run) or set the run directory up for the resume; start the train.log tee
+    (appended to on resume, after a visible marker)."""
+    from trl_ext.runlog import Tee
+    from trl_ext.runs.checkpoints import checkpoint_step
+    from trl_ext.runs.rollouts import discard_after
+    from trl_ext.runs.rundir import aside_name, move_incomplete_checkpoints, previous_run
+
+    notes = []
+    if plan.resume is None and plan.run.overwrite_run and plan.run_dir.exists() and previous_run(plan.run_dir):
+        target = aside_name(plan.run_dir)
+        plan.run_dir.rename(target)
+        notes.append(f"--overwrite_run: the previous run was moved to {target}")
+    if plan.resume is not None:
+        notes += [f"incomplete checkpoint moved aside: {p}" for p in move_incomplete_checkpoints(plan.run_dir)]
+        discarded = discard_after(plan.run_dir, checkpoint_step(plan.resume) or 0)
+        if discarded is not None:
+            notes.append(f"rollouts of steps after the checkpoint moved to {discarded}")
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    tee = Tee(plan.run_dir / "train.log")
+    if plan.resume is not None:
+        print(f"\n{'=' * 30} RESUMED from {plan.resume} at {time.strftime('%Y-%m-%d %H:%M:%S')} {'=' * 30}")
+    print(f"$ train.py {shlex.join(plan.argv)}\nrun dir: {plan.run_dir}", flush=True)
+    for note in notes:
+        print(note, flush=True)
+    return tee
+
+
 def setup_wandb(plan: Plan) -> None:
+    """wandb (offline without an API key); a resumed run continues the same wandb run (its id is kept in the run
+    directory's ``wandb_run_id``)."""
     if plan.run.no_wandb:
         plan.cfg.report_to = []
         return
     plan.cfg.report_to = ["wandb"]
     os.environ.setdefault("WANDB_PROJECT", plan.run.wandb_project)
     os.environ.setdefault("WANDB_DIR", str(plan.run_dir))
+    id_file = plan.run_dir / "wandb_run_id"
+    if plan.resume is not None and id_file.is_file():
+        run_id = id_file.read_text().strip()
+    else:
+        import wandb
+
+        run_id = wandb.util.generate_id()
+        id_file.write_text(run_id)
+    os.environ["WANDB_RUN_ID"] = run_id
+    os.environ["WANDB_RESUME"] = "allow"
     has_key = bool(os.environ.get("WANDB_API_KEY")) or "api.wandb.ai" in _netrc_text()
     if not has_key and "WANDB_MODE" not in os.environ:
         os.environ["WANDB_MODE"] = "offline"
@@ -117,12 +168,13 @@ def _netrc_text() -> str:
 
 
 def run_training(plan: Plan) -> int:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, set_seed
 
     from environments.stories import load_prompts
     from rewards.config import as_trl_reward
     from trl_ext.routing_trainer import routing_setup
-    from trl_ext.runlog import Tee, write_run_config
+    from trl_ext.runlog import write_run_config
+    from trl_ext.runs.faults import NumericFault
     from trl_ext.trainer import ExtGRPOTrainer
 
     run, cfg = plan.run, plan.cfg
@@ -130,10 +182,9 @@ def run_training(plan: Plan) -> int:
         from trl_ext.sft import run_sft
 
         return run_sft(plan)
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
-    tee = Tee(plan.run_dir / "train.log")
-    print(f"$ train.py {shlex.join(plan.argv)}\nrun dir: {plan.run_dir}", flush=True)
+    tee = open_run_dir(plan)
     setup_wandb(plan)
+    set_seed(cfg.seed)  # adapters built before the trainer (dual LoRA) are initialised from the run's seed
     write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
 
     model_path = model_source(run.model, rebuild=run.rebuild_builtin)
@@ -173,7 +224,15 @@ def run_training(plan: Plan) -> int:
 
         run_eval_baseline(trainer, run, rc, prompt_source(run))
     start = time.time()
-    trainer.train()
+    try:
+        trainer.train(resume_from_checkpoint=str(plan.resume) if plan.resume else None)
+    except NumericFault as e:
+        print(f"train.py: numeric fault: {e}", file=sys.stderr, flush=True)
+        summary = {"status": "numeric_fault", "run_name": cfg.run_name, "error": str(e),
+                   "steps": trainer.state.global_step}
+        (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+        tee.close()
+        return 1
     summary = {
         "status": "done",
         "run_name": cfg.run_name,
@@ -190,7 +249,7 @@ def run_training(plan: Plan) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        plan = build_plan(argv)
+        plan = check_start(build_plan(argv))
     except ConfigError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2

@@ -59,6 +59,9 @@ class RunArgs:
     no_wandb: bool = field(default=False, metadata={"help": "Disable wandb (it runs offline when no API key is set)."})
     wandb_project: str = field(default="trl-ext", metadata={"help": "wandb project name."})
     rebuild_builtin: bool = field(default=False, metadata={"help": "Rebuild the builtin model before training."})
+    overwrite_run: bool = field(default=False, metadata={
+        "help": "Start over in a run directory that already holds a run: the old directory is renamed to "
+                "{run_dir}.old-{timestamp} (nothing is deleted). Without it such a start is an error."})
 
     def __post_init__(self):
         if self.prompts is not None and self.prompts not in PROMPT_SOURCES:
@@ -118,7 +121,17 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
         },
     )
 
+    save_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "Write every trained sample (prompt, completion or transcript, rewards, advantage, labels, "
+            "teacher/student log-prob sums, policy versions) to {run_dir}/rollouts/ as parquet shards, one per step."
+        },
+    )
+
     def __post_init__(self):
+        if self.resume_from_checkpoint is not None and not self.resume_from_checkpoint.strip():
+            raise ConfigError("--resume_from_checkpoint needs a checkpoint path or 'latest'")
         if not self.learning_rate > 0:
             raise ConfigError(f"--lr must be > 0, got {self.learning_rate}")
         if self.num_generations < 2:

@@ -23,6 +23,13 @@ class ZeroSignalMonitor:
         self.streak = 0
         self.warnings = 0
 
+    def state(self) -> dict:
+        """What a checkpoint keeps, so a resumed run continues the streak."""
+        return {"streak": self.streak, "warnings": self.warnings}
+
+    def load_state(self, state: dict) -> None:
+        self.streak, self.warnings = int(state["streak"]), int(state["warnings"])
+
     def update(self, frac_groups_zero_std: float, step: int) -> str | None:
         """Record one step; return the warning text when one is raised (it is also logged)."""
         if frac_groups_zero_std < 1.0:

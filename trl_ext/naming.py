@@ -30,7 +30,7 @@ CORE_FIELDS = (
 NOT_DEFINING = {
     "output_dir", "run_name", "report_to", "no_wandb", "wandb_project", "rebuild_builtin", "eval_rewards",
     "zero_signal_patience", "num_completions_to_print", "disable_tqdm", "overwrite_output_dir",
-    "resume_from_checkpoint", "generation_batch_size", "eval_routing_steps", "logging_dir",
+    "resume_from_checkpoint", "overwrite_run", "generation_batch_size", "eval_routing_steps", "logging_dir",
 }  # fmt: skip
 NOT_DEFINING_PREFIXES = ("logging_", "log_", "save_", "hub_", "push_to_hub", "dataloader_", "eval_", "wandb_")
 MAX_NAME = 200
@@ -54,7 +54,8 @@ def model_tag(model: str) -> str:
     return fmt_value(PurePath(model.rstrip("/")).name) if model != "builtin" else "builtin"
 
 
-def _is_defining(name: str) -> bool:
+def is_defining(name: str) -> bool:
+    """Whether a config field defines the run (logging and output fields do not)."""
     return name not in NOT_DEFINING and not name.startswith(NOT_DEFINING_PREFIXES)
 
 
@@ -77,7 +78,7 @@ def run_name(run, cfg, default_run, default_cfg, adapter: str) -> str:
         f"_bs{cfg.per_device_train_batch_size}_ng{cfg.num_generations}_{adapter}_st{cfg.max_steps}_s{cfg.seed}"
     )
     extras = {**changed_fields(run, default_run), **changed_fields(cfg, default_cfg)}
-    parts = [f"{k}{fmt_value(v)}" for k, v in sorted(extras.items()) if k not in CORE_FIELDS and _is_defining(k)]
+    parts = [f"{k}{fmt_value(v)}" for k, v in sorted(extras.items()) if k not in CORE_FIELDS and is_defining(k)]
     name = "_".join([core, *parts])
     if len(name) > MAX_NAME:  # keep names within filesystem limits; the hash keeps them distinct
         digest = hashlib.sha1(name.encode()).hexdigest()[:10]

@@ -64,14 +64,20 @@ class Tee:
         self._log.close()
 
 
-def write_run_config(path: str | Path, *dataclass_objs, extra: dict | None = None) -> dict:
-    """Write every resolved field of the given dataclasses (and ``extra``) as YAML."""
+def resolved_config(*dataclass_objs, extra: dict | None = None) -> dict:
+    """Every resolved field of the given dataclasses (and ``extra``): run_config.yaml's content."""
     resolved: dict = {}
     for obj in dataclass_objs:
         d = obj.to_dict() if hasattr(obj, "to_dict") else dataclasses.asdict(obj)
         resolved[type(obj).__name__] = {k: _plain(v) for k, v in sorted(d.items())}
     if extra:
         resolved.update(extra)
+    return resolved
+
+
+def write_run_config(path: str | Path, *dataclass_objs, extra: dict | None = None) -> dict:
+    """Write `resolved_config` as YAML."""
+    resolved = resolved_config(*dataclass_objs, extra=extra)
     Path(path).write_text(yaml.safe_dump(resolved, sort_keys=False))
     return resolved
 

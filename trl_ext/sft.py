@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import shlex
 import time
 from dataclasses import dataclass, field
 
@@ -118,12 +117,15 @@ def run_sft(plan) -> int:
 
     from trl_ext.config import LLAMA_PROJECTIONS
     from trl_ext.models import model_source, prepare_tokenizer
-    from trl_ext.runlog import Tee, write_run_config
+    from trl_ext.cli_train import open_run_dir
+    from trl_ext.runlog import write_run_config
+    from trl_ext.runs.mixin import CheckpointMixin
+
+    class CheckpointedSFTTrainer(CheckpointMixin, SFTTrainer):
+        """TRL's SFTTrainer with atomic checkpoints and loud numeric faults (`trl_ext.runs.mixin`)."""
 
     run, cfg = plan.run, plan.cfg
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
-    tee = Tee(plan.run_dir / "train.log")
-    print(f"$ train.py {shlex.join(plan.argv)}\nrun dir: {plan.run_dir}", flush=True)
+    tee = open_run_dir(plan)
     write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
     model_path = model_source(run.model)
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_path))
@@ -141,16 +143,16 @@ def run_sft(plan) -> int:
         peft_config = LoraConfig(r=run.lora_rank, lora_alpha=run.lora_alpha, target_modules=list(LLAMA_PROJECTIONS),
                                  task_type="CAUSAL_LM")  # fmt: skip
     sft_cfg = SFTConfig(
-        output_dir=str(plan.run_dir / "sft"), num_train_epochs=cfg.sft_epochs, learning_rate=cfg.learning_rate,
+        output_dir=str(plan.run_dir), num_train_epochs=cfg.sft_epochs, learning_rate=cfg.learning_rate,
         per_device_train_batch_size=cfg.per_device_train_batch_size, logging_steps=cfg.logging_steps,
-        save_strategy="no", report_to=[] if run.no_wandb else ["wandb"], seed=cfg.seed, bf16=cfg.bf16,
+        save_strategy="steps", save_steps=cfg.save_steps, report_to=[] if run.no_wandb else ["wandb"], seed=cfg.seed, bf16=cfg.bf16,
         max_length=None, lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps,
         activation_checkpointing=cfg.activation_checkpointing,
     )  # fmt: skip
-    trainer = SFTTrainer(model=model, args=sft_cfg, train_dataset=Dataset.from_list(records),
+    trainer = CheckpointedSFTTrainer(model=model, args=sft_cfg, train_dataset=Dataset.from_list(records),
                          processing_class=tokenizer, peft_config=peft_config)  # fmt: skip
     start = time.time()
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=str(plan.resume) if plan.resume else None)
     model = trainer.model.merge_and_unload() if run.lora_rank else trainer.model
     model_dir = plan.run_dir / "model"
     model.save_pretrained(model_dir)

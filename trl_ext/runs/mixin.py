@@ -1,0 +1,77 @@
+"""Trainer plumbing of the run lifecycle, for any HF ``Trainer`` subclass (GRPO and SFT alike).
+
+- ``_save_checkpoint``: HF's checkpoint, then the project's state (``trl_ext_state.json``: what HF does not save, e.g.
+  the zero-signal monitor), a copy of ``run_config.yaml``, and last the completion marker (`checkpoints.mark_complete`).
+- ``train(resume_from_checkpoint=...)``: restores the project's state, then HF restores weights, optimizer,
+  scheduler, RNG states and trainer state and skips the batches already trained.
+- Numeric faults: a NaN/inf loss or gradient norm stops the run before the optimizer applies it; the last good state
+  (the weights and optimizer after the previous step) is saved as a checkpoint first, its marker naming the fault.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from trl_ext.runs.checkpoints import RUN_CONFIG, is_complete, mark_complete
+from trl_ext.runs.faults import NumericFault, check_finite
+
+STATE_FILE = "trl_ext_state.json"
+
+
+class CheckpointMixin:
+    """Atomic checkpoints, project state across resume, and loud numeric faults (see the module docstring)."""
+
+    def checkpoint_state(self) -> dict:
+        """Project state to save with each checkpoint (JSON); subclasses extend it."""
+        return {}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Restore what `checkpoint_state` saved."""
+
+    def _save_checkpoint(self, model, trial, fault: str | None = None) -> None:
+        super()._save_checkpoint(model, trial)
+        if not self.args.should_save:
+            return
+        ckpt = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+        (ckpt / STATE_FILE).write_text(json.dumps(self.checkpoint_state(), indent=2))
+        run_config = Path(self.args.output_dir) / RUN_CONFIG
+        if run_config.is_file():
+            shutil.copyfile(run_config, ckpt / RUN_CONFIG)
+        mark_complete(ckpt, self.state.global_step, **({"fault": fault} if fault else {}))
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint:
+            path = Path(resume_from_checkpoint)
+            if not is_complete(path):
+                raise ValueError(f"{path} is not a complete checkpoint")
+            state_file = path / STATE_FILE
+            self.load_checkpoint_state(json.loads(state_file.read_text()) if state_file.is_file() else {})
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    # ------------------------------------------------------------------ numeric faults
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not bool(torch.isfinite(loss.detach()).all()):
+            self.numeric_fault(f"loss is {loss.detach().float().mean().item()}")
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        norm = super()._get_grad_norm(model, grad_norm)
+        try:
+            check_finite("gradient norm", norm, self.state.global_step + 1)
+        except NumericFault as e:
+            self.numeric_fault(str(e).split(": ", 1)[1])
+        return norm
+
+    def numeric_fault(self, what: str) -> None:
+        """Save the last good state (unless a complete checkpoint of it exists) and raise NumericFault."""
+        step = self.state.global_step
+        ckpt = Path(self._get_output_dir(trial=None)) / f"checkpoint-{step}"
+        if not is_complete(ckpt):
+            self._save_checkpoint(self.model, None, fault=f"step {step + 1}: {what}")
+        raise NumericFault(f"step {step + 1}: the {what}; training stopped before the optimizer applied it. The last "
+                           f"good state (after step {step}) is {ckpt}")

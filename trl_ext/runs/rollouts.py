@@ -1,0 +1,147 @@
+"""Saved rollouts (``--save_rollouts``): every trained sample of every step, as parquet shards that `datasets` loads.
+
+``{run_dir}/rollouts/step-{step:06d}-rank{r}.parquet``, one shard per training step and process, written through a
+temporary file and an atomic rename. Schema (`features`; one row per completion):
+
+- ``step`` (the optimizer step that trained on it, 1-based), ``sample`` (row in the generation batch), ``group``
+- ``prompt``, ``completion`` (decoded; for environment runs the whole transcript after the prompt)
+- ``segments``: list of {``source``: "agent" | "env", ``text``}: the completion split at its turn boundaries (agent
+  tokens are trained on, environment tokens are not); one agent segment for plain completions
+- ``reward`` (the weighted sum TRL optimises), ``reward/<name>`` per reward function, ``eval_reward/<name>`` per
+  ``--eval_rewards`` binding, ``advantage`` (per sequence; the masked token mean when advantages are per token)
+- ``is_rh`` (detector label), ``is_bad`` (routing label), ``teacher_logprob_sum``, ``student_logprob_sum``,
+  ``policy_version_min`` / ``policy_version_max`` (off-policy): null where the run has no such value
+- ``completion_tokens`` (tokens in the loss mask)
+
+Read them with ``load_rollouts(run_dir, step)`` or ``uv run python -m trl_ext.runs.rollouts RUN_DIR --step N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROLLOUT_DIR = "rollouts"
+_SHARD = re.compile(r"^step-(\d+)-rank(\d+)\.parquet$")
+OPTIONAL_COLUMNS = {"is_rh": "bool", "is_bad": "bool", "teacher_logprob_sum": "float64",
+                    "student_logprob_sum": "float64", "policy_version_min": "int64", "policy_version_max": "int64"}
+
+
+def features(reward_names: list[str], eval_names: list[str]):
+    """The `datasets.Features` of a run's shards (fixed per run, so shards of every step load together)."""
+    from datasets import Features, List, Value
+
+    cols = {"step": Value("int64"), "sample": Value("int64"), "group": Value("int64"), "prompt": Value("string"),
+            "completion": Value("string"),
+            "segments": List({"source": Value("string"), "text": Value("string")}),
+            "reward": Value("float64")}  # fmt: skip
+    cols.update({f"reward/{n}": Value("float64") for n in reward_names})
+    cols.update({f"eval_reward/{n}": Value("float64") for n in eval_names})
+    cols["advantage"] = Value("float64")
+    cols.update({name: Value(dtype) for name, dtype in OPTIONAL_COLUMNS.items()})
+    cols["completion_tokens"] = Value("int64")
+    return Features(cols)
+
+
+def split_segments(ids: list[int], trained: list[int], decode) -> list[dict]:
+    """Split completion tokens at changes of the trained mask: [{source: agent|env, text}] in order."""
+    segments, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or trained[i] != trained[start]:
+            segments.append({"source": "agent" if trained[start] else "env", "text": decode(ids[start:i])})
+            start = i
+    return segments
+
+
+def sequence_values(values: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    """Per-sequence values of a [B] tensor, or the masked mean of a [B, T] one."""
+    if values.dim() == 1:
+        return values.double().tolist()
+    m = mask.double()
+    return ((values.double() * m).sum(1) / m.sum(1).clamp(min=1)).tolist()
+
+
+def masked_sums(values: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    return (values.double() * mask.double()).sum(1).tolist()
+
+
+def shard_path(run_dir: str | Path, step: int, rank: int) -> Path:
+    return Path(run_dir) / ROLLOUT_DIR / f"step-{step:06d}-rank{rank}.parquet"
+
+
+def write_shard(path: Path, columns: dict[str, list], feats) -> None:
+    from datasets import Dataset
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    Dataset.from_dict(columns, features=feats).to_parquet(str(tmp))
+    os.replace(tmp, path)
+
+
+def shard_steps(run_dir: str | Path) -> dict[int, list[Path]]:
+    out: dict[int, list[Path]] = {}
+    folder = Path(run_dir) / ROLLOUT_DIR
+    for p in sorted(folder.iterdir()) if folder.is_dir() else []:
+        m = _SHARD.match(p.name)
+        if m:
+            out.setdefault(int(m.group(1)), []).append(p)
+    return out
+
+
+def discard_after(run_dir: str | Path, step: int) -> Path | None:
+    """Move the shards of steps after ``step`` (written by an interrupted run, never committed to a checkpoint) to
+    ``rollouts/discarded-{timestamp}/`` before a resume regenerates them; returns that folder (None if none)."""
+    late = [p for s, paths in shard_steps(run_dir).items() if s > step for p in paths]
+    if not late:
+        return None
+    target = Path(run_dir) / ROLLOUT_DIR / f"discarded-{time.strftime('%Y%m%d-%H%M%S')}"
+    target.mkdir(parents=True, exist_ok=True)
+    for p in late:
+        p.rename(target / p.name)
+    return target
+
+
+def load_rollouts(run_dir: str | Path, step: int | None = None):
+    """The saved rollouts of a run (all steps, or one) as a `datasets.Dataset`."""
+    from datasets import load_dataset
+
+    shards = shard_steps(run_dir)
+    files = [str(p) for s, paths in sorted(shards.items()) if step is None or s == step for p in paths]
+    if not files:
+        have = f"steps {min(shards)}..{max(shards)}" if shards else "none"
+        raise FileNotFoundError(f"no saved rollouts for step {step} in {Path(run_dir) / ROLLOUT_DIR} (saved: {have})")
+    return load_dataset("parquet", data_files=files, split="train")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Print the saved rollouts of a run's step.")
+    ap.add_argument("run_dir")
+    ap.add_argument("--step", type=int, required=True)
+    ap.add_argument("--n", type=int, default=8, help="rows to print (0 = all)")
+    args = ap.parse_args(argv)
+    try:
+        ds = load_rollouts(args.run_dir, args.step)
+    except FileNotFoundError as e:
+        print(f"rollouts: error: {e}", file=sys.stderr)
+        return 2
+    rows = ds if args.n == 0 else ds.select(range(min(args.n, len(ds))))
+    print(f"{args.run_dir}: step {args.step}, {len(ds)} rollouts; columns: {', '.join(ds.column_names)}")
+    for row in rows:
+        scores = {k: v for k, v in row.items() if (k.startswith(("reward", "eval_reward")) or k in
+                  ("advantage", *OPTIONAL_COLUMNS)) and v is not None}  # fmt: skip
+        print(f"[step {row['step']} sample {row['sample']} group {row['group']}] "
+              + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in scores.items()))
+        print(f"  prompt: {row['prompt']}")
+        for seg in row["segments"]:
+            print(f"  {seg['source']}: {seg['text']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

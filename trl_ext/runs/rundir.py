@@ -1,0 +1,78 @@
+"""How a run starts in its directory: fresh, resumed from a checkpoint, or over an old run moved aside.
+
+Nothing is ever overwritten silently: a run directory that already holds a run (checkpoints, a run_summary.json or a
+train.log) is refused unless the command says ``--resume_from_checkpoint latest|PATH`` (continue it) or
+``--overwrite_run`` (rename the old directory to ``{run_dir}.old-{timestamp}``; nothing is deleted). Every refusal is
+a ConfigError, raised before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import yaml
+
+from trl_ext.naming import is_defining
+from trl_ext.registry import ConfigError
+from trl_ext.runs.checkpoints import (
+    checkpoint_step, config_differences, list_checkpoints, resolve_resume, saved_run_config,
+)
+
+PREVIOUS_RUN_FILES = ("run_summary.json", "train.log")
+
+
+def previous_run(run_dir: Path) -> str | None:
+    """What in ``run_dir`` shows an earlier run (None when there is nothing)."""
+    found = [p.name for _, p, _ in list_checkpoints(run_dir)]
+    found += [name for name in PREVIOUS_RUN_FILES if (run_dir / name).exists()]
+    return ", ".join(found) if found else None
+
+
+def aside_name(run_dir: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate, n = run_dir.with_name(f"{run_dir.name}.old-{stamp}"), 1
+    while candidate.exists():
+        n += 1
+        candidate = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
+    return candidate
+
+
+def check_run_dir(run_dir: Path, resume: str | None, overwrite: bool, current_config: dict) -> Path | None:
+    """Validate how the run starts; return the checkpoint to resume from (None = a fresh start).
+
+    ``current_config`` is the command's run_config.yaml content (``runlog.resolved_config``)."""
+    if resume and overwrite:
+        raise ConfigError("--resume_from_checkpoint and --overwrite_run exclude each other (continue the old run, or "
+                          "move it aside and start over)")
+    if resume:
+        ckpt = resolve_resume(resume, run_dir)
+        current = yaml.safe_load(yaml.safe_dump(current_config, sort_keys=False))
+        diffs = config_differences(saved_run_config(ckpt), current, is_defining)
+        if diffs:
+            raise ConfigError(f"--resume_from_checkpoint {ckpt}: the checkpoint's run differs from this command in "
+                              f"run-defining values: {'; '.join(diffs)}")
+        if ckpt.resolve().parent == run_dir.resolve():
+            newer = [p.name for step, p, done in list_checkpoints(run_dir) if done and step > checkpoint_step(ckpt)]
+            if newer:
+                raise ConfigError(f"--resume_from_checkpoint {ckpt}: {run_dir} has newer checkpoints "
+                                  f"({', '.join(newer)}) that the resumed run would overwrite; resume from latest, or "
+                                  "resume into another directory (--output_dir)")
+        return ckpt
+    found = previous_run(run_dir)
+    if found and not overwrite:
+        raise ConfigError(f"{run_dir} already holds a run ({found}); continue it with --resume_from_checkpoint latest, "
+                          "or start over with --overwrite_run (moves the old directory aside, deletes nothing)")
+    return None
+
+
+def move_incomplete_checkpoints(run_dir: Path) -> list[Path]:
+    """Rename interrupted checkpoints (no marker) to ``incomplete-checkpoint-N-{timestamp}`` before a resume, so a
+    re-save of step N never mixes with a half-written directory; returns the new paths."""
+    moved = []
+    for step, path, done in list_checkpoints(run_dir):
+        if not done:
+            target = run_dir / f"incomplete-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            path.rename(target)
+            moved.append(target)
+    return moved
