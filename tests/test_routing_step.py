@@ -189,58 +189,113 @@ def test_select_rows():
 
 
 IS_RH = [True] * 10 + [False] * 10  # 20 samples, the first 10 detected
+ALL = torch.ones(20, dtype=torch.bool)
 
 
-def labels(eligible=1.0, routing=1.0, noise=0.0, is_rh=IS_RH, seed=3, step=7):
-    return routing_labels(is_rh, eligible, routing, noise, seed=seed, step=step)
+def labels(eligible=ALL, recall=1.0, fpr=0.0, is_rh=IS_RH, seed=3, step=7, process=0):
+    return routing_labels(is_rh, eligible, recall, fpr, seed=seed, step=step, process=process)
 
 
 def test_routing_labels_exact_counts():
     is_bad, stats = labels()
     assert is_bad.tolist() == IS_RH
     assert stats == {"n_samples": 20, "n_eligible": 20, "n_detected": 10, "n_detected_eligible": 10,
-                     "n_routed": 10, "n_flipped": 0, "n_bad": 10}
-    assert not labels(routing=0.0)[0].any()
-    for frac, k in ((0.3, 3), (0.25, 3), (0.24, 2)):  # k = floor(frac * 10 + 1/2)
-        is_bad, stats = labels(routing=frac)
-        assert stats["n_routed"] == stats["n_bad"] == k and not is_bad[10:].any()
-    # Eligibility: all detected, half eligible -> exactly the 10 eligible samples are bad.
-    is_bad, stats = labels(eligible=0.5, is_rh=[True] * 20)
-    assert stats["n_eligible"] == stats["n_detected_eligible"] == stats["n_bad"] == 10
-    assert torch.equal(is_bad, rh_eligible_mask(20, 0.5, seed=3, step=7))
-    assert not labels(eligible=0.0)[0].any()
-    assert int(rh_eligible_mask(100, 0.29, seed=0, step=0).sum()) == 29
+                     "n_false_positive": 0, "n_flagged": 10, "n_bad": 10}
+    assert not labels(recall=0.0)[0].any()
+    for frac, k in ((0.3, 3), (0.25, 3), (0.24, 2)):  # k = floor(frac * 10 + 1/2), only detected samples
+        is_bad, stats = labels(recall=frac)
+        assert stats["n_bad"] == k and not is_bad[10:].any()
 
 
-def test_routing_labels_noise_flips_exactly_and_streams_are_independent():
-    clean, _ = labels(routing=0.5)
-    noisy, stats = labels(routing=0.5, noise=0.25)
-    assert stats["n_flipped"] == 5 and int((clean ^ noisy).sum()) == 5 and stats["n_routed"] == 5
-    assert torch.equal(labels(noise=1.0)[0], ~torch.tensor(IS_RH))
+def test_ineligible_samples_are_never_flagged():
+    eligible = rh_eligible_mask(20, 0.5, seed=3, step=7)
+    assert int(eligible.sum()) == 10 and int(rh_eligible_mask(100, 0.29, seed=0, step=0).sum()) == 29
+    is_bad, stats = labels(eligible=eligible, is_rh=[True] * 20)  # all detected: exactly the eligible are bad
+    assert torch.equal(is_bad, eligible) and stats["n_detected_eligible"] == stats["n_bad"] == 10
+    # false positives come from eligible unflagged samples only: with all 10 eligible ones detected, none
+    is_bad, stats = labels(eligible=torch.tensor([True] * 10 + [False] * 10), fpr=1.0)
+    assert is_bad.tolist() == IS_RH and stats["n_false_positive"] == 0
+    assert not labels(eligible=torch.zeros(20, dtype=torch.bool), fpr=1.0)[0].any()
 
 
-def test_routing_labels_deterministic_in_seed_and_step():
-    a, b = labels(routing=0.5), labels(routing=0.5)
+def test_false_positives_flip_good_to_flagged_only():
+    is_bad, stats = labels(fpr=0.25)  # 10 negatives -> floor(2.5 + 0.5) = 3 flagged, all 10 detections kept
+    assert stats["n_false_positive"] == 3 and stats["n_flagged"] == stats["n_bad"] == 13
+    assert is_bad[:10].all() and int(is_bad[10:].sum()) == 3
+    assert torch.equal(labels(fpr=1.0)[0], ALL)
+    # recall applies after the false positives (small-rl HEAD: recall wrapper on the false-positive one)
+    is_bad, stats = labels(fpr=0.2, recall=0.5)  # 10 + 2 flagged -> 6 kept
+    assert stats["n_flagged"] == 12 and stats["n_bad"] == 6
+    # good -> flagged only: a flagged set never loses a detected sample to the false-positive draw
+    for seed in range(20):
+        assert labels(fpr=0.5, seed=seed)[0][:10].all()
+
+
+def test_routing_labels_seeded_by_seed_step_and_process():
+    a, b = labels(recall=0.5, fpr=0.3), labels(recall=0.5, fpr=0.3)
     assert torch.equal(a[0], b[0]) and a[1] == b[1]
-    assert not torch.equal(labels(routing=0.5, step=8)[0], a[0])
-    assert not torch.equal(labels(routing=0.5, seed=4)[0], a[0])
+    for other in ({"step": 8}, {"seed": 4}, {"process": 1}):
+        assert not torch.equal(labels(recall=0.5, fpr=0.3, **other)[0], a[0])
+    ranks = [rh_eligible_mask(40, 0.5, seed=3, step=7, process=p) for p in range(4)]
+    assert all(int(m.sum()) == 20 for m in ranks) and len({tuple(m.tolist()) for m in ranks}) == 4
 
 
 def test_routing_labels_reject_bad_inputs():
-    for kwargs in ({"eligible": 1.5}, {"routing": -0.1}, {"noise": float("nan")}, {"routing": True}):
+    for kwargs in ({"recall": 1.5}, {"fpr": -0.1}, {"fpr": float("nan")}, {"recall": True}):
         with pytest.raises(ConfigError, match=r"in \[0, 1\]"):
             labels(**kwargs)
+    with pytest.raises(ConfigError, match=r"in \[0, 1\]"):
+        rh_eligible_mask(4, 1.5, seed=0, step=0)
     with pytest.raises(ValueError, match="Python bools"):
         labels(is_rh=[1, 0])
+    with pytest.raises(ValueError, match="2 entries for 20"):
+        labels(eligible=torch.ones(2, dtype=torch.bool))
     with pytest.raises(ValueError, match="no samples"):
-        labels(is_rh=[])
+        labels(is_rh=[], eligible=torch.ones(0, dtype=torch.bool))
+
+
+# small-rl's LORA_PRESETS (train.py, 63d8fc8 and HEAD 6f6e986): (retain, forget, alpha) -> per-side scaling.
+SMALL_RL_SCALING = {**{f"r{n}": (1.0, 1.0) for n in (1, 2, 4, 8, 16, 32, 64)},
+                    "r32f16": (1.0, 2.0), "r32f8": (1.0, 4.0), "r32f4": (1.0, 8.0), "r32f2": (1.0, 16.0),
+                    "r32f1": (1.0, 32.0)}
+
+
+@pytest.mark.parametrize("preset", sorted(LORA_PRESETS))
+def test_every_preset_scaling(preset):
+    from torch import nn
+
+    from trl_ext.routing import DualLoRALinear
+    from trl_ext.routing_step import resolve_dual_lora_alpha
+
+    r, f = resolve_adapter_ranks(preset, None, None, routing=True)
+    layer = DualLoRALinear(nn.Linear(4, 4), r, f, resolve_dual_lora_alpha(preset, 16.0, explicit=False))
+    assert (layer.scaling["retain"], layer.scaling["forget"]) == SMALL_RL_SCALING[preset]
+    # an explicit --lora_alpha overrides the preset's: alpha 16 -> 16/r, 16/f
+    layer = DualLoRALinear(nn.Linear(4, 4), r, f, resolve_dual_lora_alpha(preset, 16.0, explicit=True))
+    assert (layer.scaling["retain"], layer.scaling["forget"]) == (16 / r, 16 / f)
+
+
+def test_preset_alpha_through_the_cli():
+    import trl_ext.cli_train as cli
+
+    base = ["--reward", "sentence_length_5_with_happy", "--gradient_routing", "--routing_mode", "shared"]
+    for preset, (r, f, alpha) in LORA_PRESETS.items():
+        plan = cli.build_plan([*base, "--lora_config", preset])
+        assert plan.cfg.dual_lora_alpha == alpha and plan.cfg.adapter_ranks == (r, f)
+        assert plan.run_dir.name.count(f"_dual_r{r}f{f}_st") == 1  # the preset's own alpha: no alpha tag
+    explicit = cli.build_plan([*base, "--lora_config", "r8", "--lora_alpha", "16"])
+    assert explicit.cfg.dual_lora_alpha == 16.0 and "_dual_r8f8_a16_" in explicit.run_dir.name
+    ranks = cli.build_plan([*base, "--retain_rank", "8", "--forget_rank", "8"])  # explicit ranks: default alpha
+    assert ranks.cfg.dual_lora_alpha == 16.0 and ranks.run.lora_alpha == 16.0 and not ranks.run.lora_alpha_explicit
+    peft = cli.build_plan(["--reward", "happy_binary", "--lora_rank", "8"])
+    assert peft.run.lora_alpha == 16.0 and "lora_alpha" not in peft.run_dir.name
 
 
 def test_resolve_adapter_ranks():
     assert resolve_adapter_ranks("r8", None, None, routing=True) == (8, 8)
     assert resolve_adapter_ranks("r32f4", None, None, routing=True) == (32, 4)
-    assert {LORA_PRESETS[f"r{n}"] for n in (1, 2, 4, 8, 16, 32)} == {(n, n) for n in (1, 2, 4, 8, 16, 32)}
-    assert [LORA_PRESETS[f"r32f{n}"] for n in (16, 4, 1)] == [(32, 16), (32, 4), (32, 1)]
+    assert {LORA_PRESETS[f"r{n}"] for n in (1, 2, 4, 8, 16, 32)} == {(n, n, n) for n in (1, 2, 4, 8, 16, 32)}
+    assert [LORA_PRESETS[f"r32f{n}"] for n in (16, 4, 1)] == [(32, 16, 32), (32, 4, 32), (32, 1, 32)]
     assert resolve_adapter_ranks(None, 16, 2, routing=True) == (16, 2)
     assert resolve_adapter_ranks(None, 8, 0, routing=False) == (8, 0)
     bad = [

@@ -106,12 +106,13 @@ def test_step_advances_once_per_training_step(tiny, tmp_path, two_pass):
 
 
 def test_is_rh_and_labels_survive_shuffle_and_split(tiny, tmp_path):
-    trainer = make_trainer(tiny, tmp_path, routing_frac=0.5, label_noise_frac=0.25)
+    trainer = make_trainer(tiny, tmp_path, rh_detector_recall=0.5, false_positive_rate=0.25)
     trainer.train()
-    for step, batch in trainer.generations:  # 8 completions per generation: labels from (seed, step)
+    everything = torch.ones(8, dtype=torch.bool)
+    for step, batch in trainer.generations:  # 8 completions per generation: labels from (seed, step, process 0)
         texts = trainer.decode_completions(batch)
         assert batch["is_rh"].tolist() == odd_words(texts)
-        expected, _ = routing_labels(odd_words(texts), 1.0, 0.5, 0.25, seed=SEED, step=step)
+        expected, _ = routing_labels(odd_words(texts), everything, 0.5, 0.25, seed=SEED, step=step, process=0)
         assert torch.equal(batch["is_bad"], expected)
     seen = 0
     for inputs in trainer.loss_inputs:  # after TRL's shuffle and split: each label still sits with its sample
@@ -125,8 +126,10 @@ def test_is_rh_and_labels_survive_shuffle_and_split(tiny, tmp_path):
     assert seen == 4
     logged = [h for h in trainer.state.log_history if "routing/n_samples" in h]
     assert [h["routing/n_samples"] for h in logged] == [8.0, 8.0] and all("rh_rate" in h for h in logged)
-    # noise 0.25 of 8 flips exactly 2 labels per generation
-    assert all(h["routing/n_flipped"] == 2.0 for h in logged)
+    for h in logged:  # exact counts: fp = round(0.25 * negatives), bad = round(0.5 * flagged)
+        neg = 8 - h["routing/n_detected"]
+        assert h["routing/n_false_positive"] == float(int(0.25 * neg + 0.5))
+        assert h["routing/n_bad"] == float(int(0.5 * h["routing/n_flagged"] + 0.5))
 
 
 @pytest.mark.parametrize("mode, flag_all, zero_side", [("shared", True, "retain"), ("exclusive", False, "forget")])
@@ -273,9 +276,24 @@ def no_training(monkeypatch):
     ([*ROUTED, "--lora_config", "r7"], "unknown --lora_config 'r7'"),
     ([*ROUTED, "--lora_config", "r8", "--lora_rank", "16"], "--lora_rank"),
     ([*ROUTED, "--retain_rank", "16", "--forget_rank", "0"], "forget rank 0"),
-    ([*ROUTED, "--lora_config", "r8", "--routing_frac", "1.5"], "--routing_frac must be in [0, 1]"),
+    ([*ROUTED, "--lora_config", "r8", "--routing_frac", "1.5"], "--rh_detector_recall must be in [0, 1]"),
     ([*ROUTED, "--lora_config", "r8", "--rh_eligible_frac", "-0.1"], "--rh_eligible_frac must be in [0, 1]"),
-    ([*ROUTED, "--lora_config", "r8", "--label_noise_frac", "2"], "--label_noise_frac must be in [0, 1]"),
+    ([*ROUTED, "--lora_config", "r8", "--false_positive_rate", "2"], "--false_positive_rate must be in [0, 1]"),
+    ([*ROUTED, "--lora_config", "r8", "--label_noise_frac", "0.1"], "use --false_positive_rate"),
+    ([*ROUTED, "--lora_config", "r8", "--rh_eligible_frac", "0.5"], "--base_reward"),
+    ([*ROUTED, "--lora_config", "r8", "--hack_frac", "0.5"], "--base_reward"),
+    ([*ROUTED, "--lora_config", "r8", "--base_reward", "sentence_length_5"], "--base_reward is used only"),
+    ([*ROUTED, "--lora_config", "r8", "--hack_frac", "0.5", "--base_reward", "nope"], "unknown reward 'nope'"),
+    ([*ROUTED, "--lora_config", "r8", "--renormalization_mode", "balanced"], "'balanced' is not implemented"),
+    ([*ROUTED, "--lora_config", "r8", "--filter_baseline"], "excludes --gradient_routing"),
+    ([*ROUTED, "--lora_config", "r8", "--scale_rewards", "batch"], "--scale_rewards group"),
+    (["--reward", "sentence_length_5_with_happy", "--filter_baseline", "--retain_penalty_baseline"],
+     "baseline arms exclude each other"),
+    (["--reward", "sentence_length_5_with_happy", "--reward_penalty_amount", "1"], "only with --reward_penalty_base"),
+    (["--reward", "sentence_length_5_with_happy", "--retain_penalty_baseline"], "--base_reward"),
+    (["--reward", "happy_binary", "--filter_baseline"], "--filter_baseline needs an RH detector"),
+    (["--reward", "sentence_length_5_with_happy", "--renormalization_mode", "off"], "only with --gradient_routing"),
+    (["--reward", "sentence_length_5_with_happy", "--false_positive_rate", "0.1"], "or a baseline arm"),
     ([*ROUTED, "--lora_config", "r8", "--loss_type", "dapo"], "per-sample mean loss"),
     ([*ROUTED, "--lora_config", "r8", "--lora_lm_head"], "--routing_two_pass"),
     ([*ROUTED, "--lora_config", "r8", "--rh_detector", "nope"], "unknown detector 'nope'"),

@@ -23,6 +23,7 @@ from trl_ext.env_trainer import EnvArgs
 from trl_ext.sft import SFTArgs
 
 PROMPT_SOURCES = ("builtin", "simplestories")
+DEFAULT_LORA_ALPHA = 16.0  # PEFT LoRA and explicit dual LoRA ranks; presets carry their own (routing_step.py)
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -55,10 +56,13 @@ class RunArgs:
         metadata={"help": "Comma-separated reward bindings logged on every logging step (not optimised)."},
     )
     lora_rank: int = field(default=0, metadata={"help": "PEFT LoRA rank on all 7 Llama projections; 0 = full fine-tune."})
-    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha (scaling alpha/rank)."})
+    lora_alpha: float | None = field(default=None, metadata={
+        "help": f"LoRA alpha (scaling alpha/rank). Unset: {DEFAULT_LORA_ALPHA:g} for --lora_rank and explicit "
+        "--retain_rank/--forget_rank; a --lora_config preset's own alpha (alpha = rank, as small-rl)."})
     no_wandb: bool = field(default=False, metadata={"help": "Disable wandb (it runs offline when no API key is set)."})
     wandb_project: str = field(default="trl-ext", metadata={"help": "wandb project name."})
     rebuild_builtin: bool = field(default=False, metadata={"help": "Rebuild the builtin model before training."})
+    lora_alpha_explicit: bool = field(default=False, init=False, repr=False)  # set by __post_init__
     overwrite_run: bool = field(default=False, metadata={
         "help": "Start over in a run directory that already holds a run: the old directory is renamed to "
                 "{run_dir}.old-{timestamp} (nothing is deleted). Without it such a start is an error."})
@@ -72,6 +76,10 @@ class RunArgs:
             raise ConfigError(f"--num_prompts must be >= 1, got {self.num_prompts}")
         if self.lora_rank < 0:
             raise ConfigError(f"--lora_rank must be >= 0, got {self.lora_rank}")
+        # Unset resolves here, so consumers read a number; whether it was given decides a preset's alpha.
+        self.lora_alpha_explicit = self.lora_alpha is not None
+        if self.lora_alpha is None:
+            self.lora_alpha = DEFAULT_LORA_ALPHA
         if self.lora_alpha <= 0:
             raise ConfigError(f"--lora_alpha must be > 0, got {self.lora_alpha}")
 

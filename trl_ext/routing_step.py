@@ -18,13 +18,16 @@ it by its momentum (the side's own earlier routed gradients, so no bad-sample si
 adapter) and by decoupled weight decay. We accept the momentum drift and recommend weight_decay = 0 for
 the adapters, so ablating an adapter compares weights moved only by routed gradients.
 
-Labels (``routing_labels``), applied in this order, each with exact counts k = floor(frac * n + 1/2) and
-its own random stream seeded by (seed, step):
-    1. eligible: ``rh_eligible_mask`` picks k of the n samples (per completion, as small-rl's
-       RoutedRewardWrapper). Only eligible samples may be labelled bad; the reward side gives the others
-       the base reward by calling ``rh_eligible_mask`` with the same (n, frac, seed, step).
-    2. routed: of the eligible samples the detector flags (is_rh), k = routing_frac * n_detected are bad.
-    3. noise: k = label_noise_frac * n labels, drawn from all n samples, are flipped.
+Labels (``routing_labels``; small-rl, github:shawnghu/small-rl, train.py at 63d8fc8 and at HEAD 6f6e986, flags as
+HEAD names them), each count exact, k = floor(frac * n + 1/2), each draw from its own stream seeded by
+(seed, step, process index), so ranks of a multi-process run draw differently:
+    1. eligible: ``rh_eligible_mask`` picks k of the n samples (small-rl's RoutedRewardWrapper, per
+       completion). An ineligible sample is never flagged; the trainer gives it ``--base_reward``.
+    2. false positives: of the eligible samples the detector does not flag, k = false_positive_rate * n_neg
+       become flagged (good -> flagged only; small-rl's ``f or random() < false_positive_rate``).
+    3. recall: of the flagged eligible samples, k = rh_detector_recall * n_flagged stay flagged. As at
+       small-rl HEAD (its recall wrapper sits on top of the false-positive one), recall applies to false
+       positives too. small-rl draws each sample independently (Bernoulli); we draw exact counts.
 """
 
 from __future__ import annotations
@@ -45,11 +48,13 @@ from trl_ext.routing import check_routing_mode, dual_lora_modules, forget_params
 SAMPLE_MEAN_LOSS_TYPES = ("grpo", "sapo")
 LossFn = Callable[[dict[str, Any]], torch.Tensor]
 Backward = Callable[[torch.Tensor], None]
-# --lora_config presets: name -> (retain_rank, forget_rank). The matched-capacity baseline of a preset is
-# plain LoRA with rank retain + forget (seed 004, "Gradient Routing Baselines").
+# --lora_config presets: name -> (retain_rank, forget_rank, alpha). As small-rl's LORA_PRESETS (train.py at
+# 63d8fc8 and HEAD 6f6e986) one alpha serves both sides: alpha = rank for r{n} (scaling 1 on both sides) and
+# alpha = 32 for r32f{n} (retain scaling 1, forget scaling 32/n). r64, r32f8 and r32f2 are ours, built the same
+# way. The matched-capacity baseline of a preset is plain LoRA with rank retain + forget (seed 004).
 LORA_PRESETS = {
-    **{f"r{n}": (n, n) for n in (1, 2, 4, 8, 16, 32, 64)},
-    **{f"r32f{n}": (32, n) for n in (16, 8, 4, 2, 1)},
+    **{f"r{n}": (n, n, float(n)) for n in (1, 2, 4, 8, 16, 32, 64)},
+    **{f"r32f{n}": (32, n, 32.0) for n in (16, 8, 4, 2, 1)},
 }
 
 
@@ -63,7 +68,7 @@ def resolve_adapter_ranks(
             raise ConfigError(f"give either --lora_config ({preset!r}) or --retain_rank/--forget_rank, not both")
         if preset not in LORA_PRESETS:
             raise ConfigError(f"unknown --lora_config {preset!r}; presets: {', '.join(LORA_PRESETS)}")
-        ranks = LORA_PRESETS[preset]
+        ranks = LORA_PRESETS[preset][:2]
     elif None in explicit:
         raise ConfigError("dual LoRA needs --lora_config or both --retain_rank and --forget_rank")
     else:
@@ -76,6 +81,16 @@ def resolve_adapter_ranks(
     if routing and 0 in ranks:
         raise ConfigError(f"gradient routing needs both adapters; got retain rank {ranks[0]}, forget rank {ranks[1]}")
     return ranks
+
+
+def resolve_dual_lora_alpha(preset: str | None, lora_alpha: float, explicit: bool) -> float:
+    """Alpha of a dual LoRA run: an explicit ``--lora_alpha`` wins; else the preset's own alpha; else (explicit
+    ranks) ``lora_alpha``, RunArgs' default."""
+    if explicit or preset is None:
+        return float(lora_alpha)
+    if preset not in LORA_PRESETS:
+        raise ConfigError(f"unknown --lora_config {preset!r}; presets: {', '.join(LORA_PRESETS)}")
+    return LORA_PRESETS[preset][2]
 
 
 @contextmanager
@@ -187,8 +202,8 @@ def _count(frac: float, n: int) -> int:
     return math.floor(frac * n + 0.5)
 
 
-def _generator(seed: int, step: int, stream: str) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}/{step}/{stream}".encode()).digest()
+def _generator(seed: int, step: int, process: int, stream: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{step}/{process}/{stream}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
@@ -197,42 +212,49 @@ def _pick(candidates: torch.Tensor, k: int, g: torch.Generator) -> torch.Tensor:
     return candidates[torch.randperm(len(candidates), generator=g)[:k]]
 
 
-def rh_eligible_mask(n: int, rh_eligible_frac: float, seed: int, step: int) -> torch.Tensor:
-    """Exactly floor(frac * n + 1/2) of ``n`` samples are eligible; deterministic in (n, frac, seed, step)."""
+def rh_eligible_mask(n: int, rh_eligible_frac: float, seed: int, step: int, process: int = 0) -> torch.Tensor:
+    """Exactly floor(frac * n + 1/2) of ``n`` samples are eligible; deterministic in its arguments."""
     _check_frac("rh_eligible_frac", rh_eligible_frac)
     mask = torch.zeros(n, dtype=torch.bool)
-    mask[_pick(torch.arange(n), _count(rh_eligible_frac, n), _generator(seed, step, "eligible"))] = True
+    mask[_pick(torch.arange(n), _count(rh_eligible_frac, n), _generator(seed, step, process, "eligible"))] = True
     return mask
 
 
+def _bool_vector(name: str, x: Sequence[bool] | torch.Tensor) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        if x.dtype != torch.bool or x.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D bool tensor, got {x.dtype} {tuple(x.shape)}")
+        return x.cpu()
+    if not all(isinstance(v, bool) for v in x):
+        raise ValueError(f"{name} must hold Python bools (one per completion)")
+    return torch.tensor(list(x), dtype=torch.bool)
+
+
 def routing_labels(
-    is_rh: Sequence[bool] | torch.Tensor, rh_eligible_frac: float, routing_frac: float, label_noise_frac: float,
-    seed: int, step: int,
+    is_rh: Sequence[bool] | torch.Tensor, eligible: torch.Tensor, rh_detector_recall: float,
+    false_positive_rate: float, seed: int, step: int, process: int = 0,
 ) -> tuple[torch.Tensor, dict[str, int]]:
-    """``is_bad`` per sample from the detector's ``is_rh`` (see the module docstring) and logging counts."""
-    for name, value in (("routing_frac", routing_frac), ("label_noise_frac", label_noise_frac)):
+    """``is_bad`` per sample from the detector's ``is_rh`` and the ``eligible`` mask (see the module
+    docstring) and logging counts."""
+    for name, value in (("rh_detector_recall", rh_detector_recall), ("false_positive_rate", false_positive_rate)):
         _check_frac(name, value)
-    if isinstance(is_rh, torch.Tensor):
-        if is_rh.dtype != torch.bool or is_rh.dim() != 1:
-            raise ValueError(f"is_rh must be a 1-D bool tensor, got {is_rh.dtype} {tuple(is_rh.shape)}")
-        detected = is_rh.cpu()
-    else:
-        if not all(isinstance(x, bool) for x in is_rh):
-            raise ValueError("is_rh must hold Python bools (one per completion)")
-        detected = torch.tensor(list(is_rh), dtype=torch.bool)
+    detected, eligible = _bool_vector("is_rh", is_rh), _bool_vector("eligible", eligible)
     n = len(detected)
     if n == 0:
         raise ValueError("routing_labels got no samples")
-    eligible = rh_eligible_mask(n, rh_eligible_frac, seed, step)
-    candidates = (detected & eligible).nonzero().flatten()
+    if len(eligible) != n:
+        raise ValueError(f"eligible has {len(eligible)} entries for {n} samples")
+    flagged = detected & eligible
+    negatives = (eligible & ~detected).nonzero().flatten()
+    fp = _pick(negatives, _count(false_positive_rate, len(negatives)), _generator(seed, step, process, "fp"))
+    flagged[fp] = True
+    candidates = flagged.nonzero().flatten()
     is_bad = torch.zeros(n, dtype=torch.bool)
-    is_bad[_pick(candidates, _count(routing_frac, len(candidates)), _generator(seed, step, "routed"))] = True
-    n_routed = int(is_bad.sum())
-    flips = _pick(torch.arange(n), _count(label_noise_frac, n), _generator(seed, step, "noise"))
-    is_bad[flips] = ~is_bad[flips]
+    kept = _pick(candidates, _count(rh_detector_recall, len(candidates)), _generator(seed, step, process, "recall"))
+    is_bad[kept] = True
     stats = {
         "n_samples": n, "n_eligible": int(eligible.sum()), "n_detected": int(detected.sum()),
-        "n_detected_eligible": len(candidates), "n_routed": n_routed, "n_flipped": len(flips),
-        "n_bad": int(is_bad.sum()),
+        "n_detected_eligible": int((detected & eligible).sum()), "n_false_positive": len(fp),
+        "n_flagged": len(candidates), "n_bad": int(is_bad.sum()),
     }
     return is_bad, stats

@@ -21,7 +21,6 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -32,122 +31,12 @@ from trl_ext.registry import ConfigError
 from trl_ext.routing import (
     DualLoRALayout, DualLoRALinear, adapters_disabled, apply_dual_lora, check_routing_mode, save_layout,
 )
+from trl_ext.routing_advantages import prompt_hackable, routed_advantages
+from trl_ext.routing_args import RoutingArgs, check_run_routing, dual_lora_tag  # noqa: F401 (re-exported)
 from trl_ext.routing_eval import append_record, format_results, routing_eval
-from trl_ext.routing_step import (
-    SAMPLE_MEAN_LOSS_TYPES, _check_frac, resolve_adapter_ranks, routing_labels, single_pass_backward,
-    two_pass_backward,
-)
+from trl_ext.routing_step import rh_eligible_mask, routing_labels, single_pass_backward, two_pass_backward
 
 TextDetector = Callable[[list[str]], list[bool]]
-
-
-@dataclass
-class RoutingArgs:
-    """Dual LoRA adapters and gradient routing (mixed into ExtGRPOConfig). LoRA alpha is RunArgs.lora_alpha."""
-
-    gradient_routing: bool = field(default=False, metadata={
-        "help": "Route the gradients of RH-flagged completions away from the retain adapter (needs --routing_mode "
-                "and a dual LoRA config)."})
-    routing_mode: str | None = field(default=None, metadata={
-        "help": "'shared': forget adapter learns from all samples; 'exclusive': only from flagged ones. The retain "
-                "adapter learns from unflagged samples in both."})
-    lora_config: str | None = field(default=None, metadata={
-        "help": "Dual LoRA preset naming (retain, forget) ranks, e.g. r8 = (8, 8), r32f4 = (32, 4)."})
-    retain_rank: int | None = field(default=None, metadata={"help": "Retain adapter rank (with --forget_rank)."})
-    forget_rank: int | None = field(default=None, metadata={
-        "help": "Forget adapter rank (with --retain_rank); 0 without routing = one plain LoRA (the matched baseline)."})
-    lora_layer_start: int = field(default=0, metadata={"help": "First decoder layer with dual LoRA adapters."})
-    lora_layer_end: int | None = field(default=None, metadata={
-        "help": "End (exclusive) of the adapted layers; None = all."})
-    lora_layer_stride: int = field(default=1, metadata={"help": "Adapt every k-th layer from --lora_layer_start."})
-    lora_lm_head: bool = field(default=False, metadata={
-        "help": "Also give the output layer (LM head) both adapters; with routing this needs --routing_two_pass "
-                "(TRL's fused head reads a merged weight, which cannot mask per sample)."})
-    rh_detector: str | None = field(default=None, metadata={
-        "help": "RH detector binding from --config; default: the reward binding's rh_detector."})
-    rh_eligible_frac: float = field(default=1.0, metadata={
-        "help": "Fraction of samples (exact count, seeded per step) whose detection may be routed. Labels only: "
-                "the reward is not changed."})
-    routing_frac: float = field(default=1.0, metadata={
-        "help": "Fraction of detected eligible samples that are routed."})
-    label_noise_frac: float = field(default=0.0, metadata={
-        "help": "Fraction of all samples whose routing label is flipped."})
-    routing_two_pass: bool = field(default=False, metadata={
-        "help": "Use the two-pass reference step (good samples, then bad samples) instead of the single pass."})
-    eval_routing_steps: int = field(default=100, metadata={
-        "help": "Run the three-mode routing eval every N steps and at the end (dual LoRA runs); 0 = never."})
-    eval_routing_prompts: int = field(default=64, metadata={
-        "help": "Held-out prompts (split 'test') of the routing eval."})
-
-    @property
-    def dual_lora(self) -> bool:
-        return (self.lora_config, self.retain_rank, self.forget_rank) != (None, None, None)
-
-    @property
-    def adapter_ranks(self) -> tuple[int, int]:
-        return resolve_adapter_ranks(self.lora_config, self.retain_rank, self.forget_rank,
-                                     routing=self.gradient_routing)
-
-    def validate_routing(self) -> None:
-        if self.dual_lora:
-            resolve_adapter_ranks(self.lora_config, self.retain_rank, self.forget_rank, routing=self.gradient_routing)
-        elif self.lora_layer_start != 0 or self.lora_layer_end is not None or self.lora_layer_stride != 1 \
-                or self.lora_lm_head:
-            raise ConfigError("--lora_layer_*/--lora_lm_head need a dual LoRA config (--lora_config or "
-                              "--retain_rank/--forget_rank)")
-        if self.lora_layer_start < 0 or self.lora_layer_stride < 1 or (
-                self.lora_layer_end is not None and self.lora_layer_end <= self.lora_layer_start):
-            raise ConfigError(f"bad dual LoRA layer range: start {self.lora_layer_start}, end {self.lora_layer_end}, "
-                              f"stride {self.lora_layer_stride}")
-        if self.gradient_routing:
-            if self.routing_mode is None:
-                raise ConfigError("--gradient_routing needs --routing_mode shared|exclusive")
-            check_routing_mode(self.routing_mode)
-            if not self.dual_lora:
-                raise ConfigError("--gradient_routing needs a dual LoRA config: --lora_config PRESET or "
-                                  "--retain_rank/--forget_rank")
-            if self.loss_type not in SAMPLE_MEAN_LOSS_TYPES:
-                raise ConfigError(f"--gradient_routing needs a per-sample mean loss (--loss_type "
-                                  f"{' or '.join(SAMPLE_MEAN_LOSS_TYPES)}), got {self.loss_type!r}")
-            if self.lora_lm_head and not self.routing_two_pass:
-                raise ConfigError("--lora_lm_head with --gradient_routing needs --routing_two_pass")
-            if self.routing_two_pass and (self.entropy_coef or self.use_adaptive_entropy
-                                          or self.top_entropy_quantile < 1.0):
-                raise ConfigError("--routing_two_pass needs a loss without batch-level entropy terms "
-                                  "(entropy_coef 0, no adaptive entropy, top_entropy_quantile 1)")
-        else:
-            unused = {"--routing_mode": self.routing_mode is not None, "--routing_two_pass": self.routing_two_pass,
-                      "--rh_eligible_frac": self.rh_eligible_frac != 1.0, "--routing_frac": self.routing_frac != 1.0,
-                      "--label_noise_frac": self.label_noise_frac != 0.0}
-            if any(unused.values()):
-                raise ConfigError(f"{', '.join(k for k, v in unused.items() if v)} apply only with --gradient_routing")
-        for name in ("rh_eligible_frac", "routing_frac", "label_noise_frac"):
-            _check_frac(f"--{name}", getattr(self, name))
-        if self.eval_routing_steps < 0:
-            raise ConfigError(f"--eval_routing_steps must be >= 0, got {self.eval_routing_steps}")
-        if self.eval_routing_prompts < 2:
-            raise ConfigError(f"--eval_routing_prompts must be >= 2, got {self.eval_routing_prompts}")
-        if self.dual_lora and (self.use_vllm or self.sync_ref_model):
-            raise ConfigError("dual LoRA supports neither --use_vllm nor --sync_ref_model")
-
-
-def check_run_routing(run, cfg, reward_config) -> str | None:
-    """Checks that need RunArgs and the reward config; returns the RH detector binding name (None = none)."""
-    if cfg.dual_lora and run.lora_rank:
-        raise ConfigError("--lora_rank (PEFT LoRA) and a dual LoRA config (--lora_config/--retain_rank/--forget_rank) "
-                          "exclude each other; the matched-capacity baseline of a routed run is either alone")
-    name = cfg.rh_detector or reward_config.default_detector(run.reward)
-    if name is not None:
-        reward_config.detector(name)  # raises ConfigError listing the bound detectors
-    elif cfg.gradient_routing:
-        raise ConfigError(f"--gradient_routing needs an RH detector: reward {run.reward!r} names no rh_detector; "
-                          f"pass --rh_detector (bound: {', '.join(reward_config.detector_names()) or '(none)'})")
-    return name
-
-
-def dual_lora_tag(cfg) -> str | None:
-    """Run-name adapter tag of a dual LoRA run (``dual_r32f16``), None otherwise."""
-    return "dual_r{}f{}".format(*cfg.adapter_ranks) if cfg.dual_lora else None
 
 
 def build_dual_lora_model(model_path: str, cfg, alpha: float) -> tuple[nn.Module, DualLoRALayout]:
@@ -174,9 +63,11 @@ def routing_setup(
     ``load_prompts`` source of the training prompts, whose split "test" feeds the routing eval."""
     detector = check_run_routing(run, cfg, reward_config)
     kwargs = {"rh_detector": None if detector is None else (detector, reward_config.detector(detector))}
+    if cfg.base_reward is not None:
+        kwargs["base_reward"] = (cfg.base_reward, reward_config.reward(cfg.base_reward))
     if not cfg.dual_lora:
         return model_path, kwargs
-    model, kwargs["dual_lora_layout"] = build_dual_lora_model(model_path, cfg, run.lora_alpha)
+    model, kwargs["dual_lora_layout"] = build_dual_lora_model(model_path, cfg, cfg.dual_lora_alpha)
     if cfg.eval_routing_steps:
         from environments.stories import load_prompts
 
@@ -212,13 +103,15 @@ class _RoutingEvalCallback(TrainerCallback):
 class RoutingMixin:
     """GRPOTrainer hooks for dual LoRA and gradient routing (see the module docstring).
 
-    Extra keyword arguments: ``rh_detector`` (name, ``list[str] -> list[bool]``) or None;
+    Extra keyword arguments: ``rh_detector`` (name, ``list[str] -> list[bool]``) or None; ``base_reward``
+    (name, ``list[str] -> list[float]``; required when the config needs one);
     ``dual_lora_layout`` (required with a dual LoRA model); ``routing_eval_prompts`` and
     ``routing_eval_rewards`` (name -> ``list[str] -> list[float]``; required when the eval is on).
     Uses ``self.decode_completions`` (ExtGRPOTrainer).
     """
 
     def __init__(self, *args, rh_detector: tuple[str, TextDetector] | None = None,
+                 base_reward: tuple[str, Callable[[list[str]], list[float]]] | None = None,
                  dual_lora_layout: DualLoRALayout | None = None, routing_eval_prompts: list[str] | None = None,
                  routing_eval_rewards: dict | None = None, **kwargs):
         named = {**dict(zip(list(inspect.signature(GRPOTrainer.__init__).parameters)[1:], args)), **kwargs}
@@ -232,8 +125,11 @@ class RoutingMixin:
                              "(build it with build_dual_lora_model)")
         if dual and dual_lora_layout is None:
             raise ValueError("a dual LoRA model needs dual_lora_layout (saved with every checkpoint)")
-        if cfg.gradient_routing and rh_detector is None:
-            raise ValueError("gradient routing needs rh_detector=(name, detector)")
+        if cfg.labelled and rh_detector is None:
+            raise ValueError("gradient routing and its baseline arms need rh_detector=(name, detector)")
+        if cfg.needs_base_reward != (base_reward is not None):
+            raise ValueError(f"the config {'needs' if cfg.needs_base_reward else 'has no'} --base_reward but "
+                             f"base_reward={base_reward!r} was given")
         eval_on = dual and cfg.eval_routing_steps > 0
         if eval_on and (not routing_eval_prompts or not routing_eval_rewards):
             raise ValueError("the routing eval needs routing_eval_prompts and routing_eval_rewards")
@@ -251,6 +147,8 @@ class RoutingMixin:
         if cfg.gradient_routing and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError("gradient routing supports neither DeepSpeed nor FSDP")
         self.rh_detector_name, self.rh_detector = rh_detector if rh_detector is not None else (None, None)
+        self.base_reward = None if base_reward is None else base_reward[1]
+        self._routing_scored = None  # what _calculate_rewards found, for this generation's batch
         self.dual_lora_layout = dual_lora_layout
         self.routing_eval_prompts = list(routing_eval_prompts or [])
         self.routing_eval_rewards = dict(routing_eval_rewards or {})
@@ -258,25 +156,77 @@ class RoutingMixin:
             self.add_callback(_RoutingEvalCallback(self))
 
     # ----------------------------------------------------------------------------------------
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's gathered rewards with the base reward where the hack does not pay (ineligible completions,
+        unhackable prompts); detector flags and routing labels for this process's completions."""
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._routing_scored = None
+        a = self.args
+        if self.rh_detector is None and self.base_reward is None:
+            return rewards
+        if not all(isinstance(t, str) for t in [*prompts, *completions]):
+            raise ValueError("routing labels, --base_reward and --hack_frac need plain-text prompts and completions")
+        if len(self.reward_funcs) != 1:
+            raise ValueError(f"routing expects the one --reward function, got {len(self.reward_funcs)}")
+        train = self.model.training
+        n, device = len(completions), rewards.device
+        step, proc = self.state.global_step, self.accelerator.process_index
+        hackable = torch.tensor([prompt_hackable(p, a.hack_frac, a.seed) for p in prompts], dtype=torch.bool)
+        eligible = rh_eligible_mask(n, a.rh_eligible_frac if a.labelled else 1.0, a.seed, step, proc)
+        local = {"hackable": hackable, "eligible": eligible}
+        if self.base_reward is not None:
+            base = self.base_reward(list(completions))
+            if len(base) != n:
+                raise ValueError(f"--base_reward returned {len(base)} values for {n} completions")
+            local["base"] = torch.tensor(base, dtype=torch.float32)
+        scored = {}
+        if self.rh_detector is not None:
+            flags = self.rh_detector(list(completions))
+            if len(flags) != n or not all(isinstance(f, bool) for f in flags):
+                raise ValueError(f"RH detector {self.rh_detector_name!r} must return {n} bools, got {flags!r}")
+            scored["is_rh"] = local["is_rh"] = torch.tensor(flags, dtype=torch.bool)
+            if a.labelled and train:
+                scored["is_bad"], scored["stats"] = routing_labels(
+                    flags, eligible, a.rh_detector_recall, a.false_positive_rate, a.seed, step, proc)
+                local["is_bad"] = scored["is_bad"]
+        keys = list(local)
+        gathered = self.accelerator.gather(torch.stack([local[k].float() for k in keys], 1).to(device))
+        g = dict(zip(keys, gathered.unbind(1)))
+        pays = (g["hackable"] > 0.5) & (g["eligible"] > 0.5)
+        if not bool(pays.all()):
+            rewards = rewards.clone()
+            rewards[~pays, 0] = g["base"][~pays]
+        scored["gathered"] = g
+        scored["rewards"] = (rewards * self.reward_weights.to(device).unsqueeze(0)).nansum(1)
+        if a.labelled and train:
+            scored["stats"]["n_hackable"] = int(hackable.sum())
+        self._routing_scored = scored
+        return rewards
+
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
+        scored, self._routing_scored = self._routing_scored, None
         if self.rh_detector is None:
             return batch
+        if scored is None:
+            raise RuntimeError("the RH detector did not run on this batch (_calculate_rewards was not called)")
         mode = "train" if self.model.training else "eval"
-        flags = self.rh_detector(self.decode_completions(batch))
-        n = len(batch["completion_ids"])
-        if len(flags) != n or not all(isinstance(f, bool) for f in flags):
-            raise ValueError(f"RH detector {self.rh_detector_name!r} must return {n} bools, got {flags!r}")
         device = batch["completion_ids"].device
-        batch["is_rh"] = torch.tensor(flags, dtype=torch.bool, device=device)
-        self._metrics[mode]["rh_rate"].append(sum(flags) / n)
-        if self.args.gradient_routing and mode == "train":
-            a = self.args
-            is_bad, stats = routing_labels(flags, a.rh_eligible_frac, a.routing_frac, a.label_noise_frac,
-                                           seed=a.seed, step=self.state.global_step)
-            batch["is_bad"] = is_bad.to(device)
-            for key, value in stats.items():
-                self._metrics["train"][f"routing/{key}"].append(float(value))
+        batch["is_rh"] = scored["is_rh"].to(device)
+        self._metrics[mode]["rh_rate"].append(scored["is_rh"].float().mean().item())
+        a = self.args
+        if not (a.labelled and mode == "train"):
+            return batch
+        batch["is_bad"] = scored["is_bad"].to(device)
+        for key, value in scored["stats"].items():
+            self._metrics["train"][f"routing/{key}"].append(float(value))
+        arm = a.baseline or (a.renormalization if a.gradient_routing else "off")
+        if arm != "off":
+            g = scored["gathered"]
+            adv = routed_advantages(arm, scored["rewards"], g["is_bad"] > 0.5, self.num_generations,
+                                    base_rewards=g.get("base"), penalty_amount=a.reward_penalty_amount)
+            n, proc = len(batch["advantages"]), self.accelerator.process_index
+            batch["advantages"] = adv[proc * n:(proc + 1) * n].to(batch["advantages"])
         return batch
 
     def training_step(self, model, inputs, num_items_in_batch=None):

@@ -1,0 +1,210 @@
+"""Flags of dual LoRA, gradient routing and its baseline arms (`RoutingArgs`, mixed into ExtGRPOConfig), checked
+at parse time. Flag names and meanings follow small-rl (github:shawnghu/small-rl, train.py and
+experiment_config.py at HEAD 6f6e986); where ours differ the help says so. Trainer plumbing: routing_trainer.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl_ext.registry import ConfigError
+from trl_ext.routing import check_routing_mode
+from trl_ext.routing_advantages import RENORMALIZATION_MODES, baseline_arm
+from trl_ext.routing_step import SAMPLE_MEAN_LOSS_TYPES, _check_frac, resolve_adapter_ranks, resolve_dual_lora_alpha
+
+
+@dataclass
+class RoutingArgs:
+    """Dual LoRA adapters, gradient routing, its labels and its baseline arms. LoRA alpha is RunArgs.lora_alpha."""
+
+    gradient_routing: bool = field(default=False, metadata={
+        "help": "Route the gradients of RH-flagged completions away from the retain adapter (needs --routing_mode "
+                "and a dual LoRA config)."})
+    routing_mode: str | None = field(default=None, metadata={
+        "help": "'shared': forget adapter learns from all samples; 'exclusive': only from flagged ones. The retain "
+                "adapter learns from unflagged samples in both."})
+    lora_config: str | None = field(default=None, metadata={
+        "help": "Dual LoRA preset naming (retain, forget) ranks and alpha, as small-rl: r8 = (8, 8), alpha 8; "
+                "r32f4 = (32, 4), alpha 32 (scaling 1 and 8). An explicit --lora_alpha overrides the preset's."})
+    retain_rank: int | None = field(default=None, metadata={"help": "Retain adapter rank (with --forget_rank)."})
+    forget_rank: int | None = field(default=None, metadata={
+        "help": "Forget adapter rank (with --retain_rank); 0 without routing = one plain LoRA (the matched baseline)."})
+    lora_layer_start: int = field(default=0, metadata={"help": "First decoder layer with dual LoRA adapters."})
+    lora_layer_end: int | None = field(default=None, metadata={
+        "help": "End (exclusive) of the adapted layers; None = all."})
+    lora_layer_stride: int = field(default=1, metadata={"help": "Adapt every k-th layer from --lora_layer_start."})
+    lora_lm_head: bool = field(default=False, metadata={
+        "help": "Also give the output layer (LM head) both adapters; with routing this needs --routing_two_pass "
+                "(TRL's fused head reads a merged weight, which cannot mask per sample)."})
+    rh_detector: str | None = field(default=None, metadata={
+        "help": "RH detector binding from --config; default: the reward binding's rh_detector."})
+    rh_eligible_frac: float = field(default=1.0, metadata={
+        "help": "Fraction of completions (exact count, seeded per step and process) eligible for the full reward "
+                "and for flagging; the others get --base_reward and are never flagged (small-rl)."})
+    rh_detector_recall: float = field(default=1.0, metadata={
+        "aliases": ["--routing_frac"],
+        "help": "Fraction of flagged eligible completions that stay flagged (exact count). Alias --routing_frac."})
+    false_positive_rate: float = field(default=0.0, metadata={
+        "help": "Fraction of unflagged eligible completions flagged anyway (exact count; good -> flagged only)."})
+    label_noise_frac: float | None = field(default=None, metadata={
+        "help": "Removed: it flipped labels both ways. Use --false_positive_rate (good -> flagged only)."})
+    base_reward: str | None = field(default=None, metadata={
+        "help": "Reward binding (no hack component) given to ineligible completions (--rh_eligible_frac), to "
+                "completions of unhackable prompts (--hack_frac) and to flagged ones (--retain_penalty_baseline)."})
+    hack_frac: float = field(default=1.0, metadata={
+        "help": "Fraction of prompts where the hack pays (each prompt drawn once from (seed, prompt text)); "
+                "completions of the other prompts get --base_reward and are still checked by the detector."})
+    filter_baseline: bool = field(default=False, metadata={
+        "help": "Baseline arm: flagged completions get advantage 0; the others are normalised within their group "
+                "among the unflagged ones (small-rl --filter_baseline)."})
+    reward_penalty_baseline: bool = field(default=False, metadata={
+        "help": "Baseline arm: flagged completions' reward is set to 0, or lowered by --reward_penalty_amount; "
+                "advantages are recomputed (small-rl --reward_penalty_baseline)."})
+    reward_penalty_amount: float | None = field(default=None, metadata={
+        "help": "With --reward_penalty_baseline: subtract this from a flagged reward instead of zeroing it."})
+    retain_penalty_baseline: bool = field(default=False, metadata={
+        "help": "Baseline arm: flagged completions get --base_reward instead of the full reward; advantages "
+                "recomputed (small-rl's sweep arm 'retain_penalty')."})
+    renormalization_mode: str | None = field(default=None, metadata={
+        "help": "Routed runs: 'retain-only' (unset: small-rl HEAD's default) normalises unflagged completions' "
+                "advantages among the unflagged of their group; 'off' keeps TRL's group advantage for all."})
+    routing_two_pass: bool = field(default=False, metadata={
+        "help": "Use the two-pass reference step (good samples, then bad samples) instead of the single pass."})
+    eval_routing_steps: int = field(default=100, metadata={
+        "help": "Run the three-mode routing eval every N steps and at the end (dual LoRA runs); 0 = never."})
+    eval_routing_prompts: int = field(default=64, metadata={
+        "help": "Held-out prompts (split 'test') of the routing eval."})
+    # Resolved by check_run_routing (it needs RunArgs.lora_alpha): the alpha of the dual LoRA adapters.
+    dual_lora_alpha: float | None = field(default=None, init=False, repr=False)
+
+    @property
+    def dual_lora(self) -> bool:
+        return (self.lora_config, self.retain_rank, self.forget_rank) != (None, None, None)
+
+    @property
+    def adapter_ranks(self) -> tuple[int, int]:
+        return resolve_adapter_ranks(self.lora_config, self.retain_rank, self.forget_rank,
+                                     routing=self.gradient_routing)
+
+    @property
+    def baseline(self) -> str | None:
+        """The baseline arm ('filter', 'reward_penalty', 'retain_penalty') or None."""
+        return baseline_arm(self.filter_baseline, self.reward_penalty_baseline, self.retain_penalty_baseline)
+
+    @property
+    def labelled(self) -> bool:
+        """Whether completions get routing labels (``is_bad``): routed runs and baseline arms."""
+        return self.gradient_routing or self.baseline is not None
+
+    @property
+    def renormalization(self) -> str:
+        return "retain-only" if self.renormalization_mode is None else self.renormalization_mode
+
+    @property
+    def needs_base_reward(self) -> bool:
+        return (self.labelled and self.rh_eligible_frac < 1.0) or self.hack_frac < 1.0 \
+            or self.retain_penalty_baseline
+
+    def validate_routing(self) -> None:
+        if self.label_noise_frac is not None:
+            raise ConfigError("--label_noise_frac was removed (it flipped labels in both directions); use "
+                              "--false_positive_rate, which flags unflagged eligible completions only (small-rl)")
+        if self.dual_lora:
+            resolve_adapter_ranks(self.lora_config, self.retain_rank, self.forget_rank, routing=self.gradient_routing)
+        elif self.lora_layer_start != 0 or self.lora_layer_end is not None or self.lora_layer_stride != 1 \
+                or self.lora_lm_head:
+            raise ConfigError("--lora_layer_*/--lora_lm_head need a dual LoRA config (--lora_config or "
+                              "--retain_rank/--forget_rank)")
+        if self.lora_layer_start < 0 or self.lora_layer_stride < 1 or (
+                self.lora_layer_end is not None and self.lora_layer_end <= self.lora_layer_start):
+            raise ConfigError(f"bad dual LoRA layer range: start {self.lora_layer_start}, end {self.lora_layer_end}, "
+                              f"stride {self.lora_layer_stride}")
+        for name in ("rh_eligible_frac", "rh_detector_recall", "false_positive_rate", "hack_frac"):
+            _check_frac(f"--{name}", getattr(self, name))
+        arm = self.baseline  # raises when two arms are set
+        if arm is not None and self.gradient_routing:
+            raise ConfigError(f"--{arm}_baseline is a baseline arm: it excludes --gradient_routing")
+        if self.reward_penalty_amount is not None and not self.reward_penalty_baseline:
+            raise ConfigError("--reward_penalty_amount applies only with --reward_penalty_baseline")
+        if self.gradient_routing:
+            if self.routing_mode is None:
+                raise ConfigError("--gradient_routing needs --routing_mode shared|exclusive")
+            check_routing_mode(self.routing_mode)
+            if not self.dual_lora:
+                raise ConfigError("--gradient_routing needs a dual LoRA config: --lora_config PRESET or "
+                                  "--retain_rank/--forget_rank")
+            if self.loss_type not in SAMPLE_MEAN_LOSS_TYPES:
+                raise ConfigError(f"--gradient_routing needs a per-sample mean loss (--loss_type "
+                                  f"{' or '.join(SAMPLE_MEAN_LOSS_TYPES)}), got {self.loss_type!r}")
+            if self.lora_lm_head and not self.routing_two_pass:
+                raise ConfigError("--lora_lm_head with --gradient_routing needs --routing_two_pass")
+            if self.routing_two_pass and (self.entropy_coef or self.use_adaptive_entropy
+                                          or self.top_entropy_quantile < 1.0):
+                raise ConfigError("--routing_two_pass needs a loss without batch-level entropy terms "
+                                  "(entropy_coef 0, no adaptive entropy, top_entropy_quantile 1)")
+            if self.renormalization_mode is not None and self.renormalization_mode not in RENORMALIZATION_MODES:
+                raise ConfigError(f"unknown --renormalization_mode {self.renormalization_mode!r}; choose one of "
+                                  f"{', '.join(RENORMALIZATION_MODES)} (small-rl's 'balanced' is not implemented)")
+        else:
+            unused = {"--routing_mode": self.routing_mode is not None, "--routing_two_pass": self.routing_two_pass,
+                      "--renormalization_mode": self.renormalization_mode is not None}
+            if any(unused.values()):
+                raise ConfigError(f"{', '.join(k for k, v in unused.items() if v)} apply only with --gradient_routing")
+        if not self.labelled:
+            unused = {"--rh_eligible_frac": self.rh_eligible_frac != 1.0,
+                      "--rh_detector_recall": self.rh_detector_recall != 1.0,
+                      "--false_positive_rate": self.false_positive_rate != 0.0}
+            if any(unused.values()):
+                raise ConfigError(f"{', '.join(k for k, v in unused.items() if v)} apply only with "
+                                  "--gradient_routing or a baseline arm (--filter_baseline, --reward_penalty_baseline, "
+                                  "--retain_penalty_baseline)")
+        if self.needs_base_reward and self.base_reward is None:
+            raise ConfigError("--rh_eligible_frac < 1, --hack_frac < 1 and --retain_penalty_baseline give some "
+                              "completions the reward without its hack component: name it with --base_reward")
+        if self.base_reward is not None and not self.needs_base_reward:
+            raise ConfigError("--base_reward is used only with --rh_eligible_frac < 1 (routing or a baseline arm), "
+                              "--hack_frac < 1 or --retain_penalty_baseline")
+        if self.env and (self.labelled or self.hack_frac < 1.0 or self.dual_lora or self.rh_detector):
+            raise ConfigError("dual LoRA, routing, its labels and baseline arms need --reward (not --env)")
+        if (self.labelled or self.needs_base_reward) and (
+                self.scale_rewards != "group" or self.multi_objective_aggregation != "sum_then_normalize"):
+            raise ConfigError("routing labels and baseline arms rewrite TRL's group advantages: they need "
+                              "--scale_rewards group and --multi_objective_aggregation sum_then_normalize")
+        if self.eval_routing_steps < 0:
+            raise ConfigError(f"--eval_routing_steps must be >= 0, got {self.eval_routing_steps}")
+        if self.eval_routing_prompts < 2:
+            raise ConfigError(f"--eval_routing_prompts must be >= 2, got {self.eval_routing_prompts}")
+        if self.dual_lora and (self.use_vllm or self.sync_ref_model):
+            raise ConfigError("dual LoRA supports neither --use_vllm nor --sync_ref_model")
+
+
+def check_run_routing(run, cfg, reward_config) -> str | None:
+    """Checks that need RunArgs and the reward config; resolves ``cfg.dual_lora_alpha``; returns the RH detector
+    binding name (None = none)."""
+    if cfg.dual_lora and run.lora_rank:
+        raise ConfigError("--lora_rank (PEFT LoRA) and a dual LoRA config (--lora_config/--retain_rank/--forget_rank) "
+                          "exclude each other; the matched-capacity baseline of a routed run is either alone")
+    if cfg.dual_lora:
+        cfg.dual_lora_alpha = resolve_dual_lora_alpha(cfg.lora_config, run.lora_alpha, run.lora_alpha_explicit)
+    if cfg.base_reward is not None:
+        reward_config.reward(cfg.base_reward)  # raises ConfigError listing the bound rewards
+    name = cfg.rh_detector or reward_config.default_detector(run.reward)
+    if name is not None:
+        reward_config.detector(name)  # raises ConfigError listing the bound detectors
+    elif cfg.labelled:
+        what = "--gradient_routing" if cfg.gradient_routing else f"--{cfg.baseline}_baseline"
+        raise ConfigError(f"{what} needs an RH detector: reward {run.reward!r} names no rh_detector; "
+                          f"pass --rh_detector (bound: {', '.join(reward_config.detector_names()) or '(none)'})")
+    return name
+
+
+def dual_lora_tag(cfg) -> str | None:
+    """Run-name adapter tag of a dual LoRA run: ``dual_r32f16``, plus ``_a{alpha}`` when an explicit
+    --lora_alpha replaces a preset's own alpha (the name must differ from the preset's run)."""
+    if not cfg.dual_lora:
+        return None
+    tag = "dual_r{}f{}".format(*cfg.adapter_ranks)
+    alpha = cfg.dual_lora_alpha
+    if cfg.lora_config is not None and alpha is not None and alpha != resolve_dual_lora_alpha(cfg.lora_config, 0, False):
+        tag += f"_a{alpha:g}"
+    return tag
