@@ -1,10 +1,21 @@
 """Text environments: interface, registry, RAGEN answer format and the multi-turn loop.
 
-Semantics follow RAGEN (early 2025, ``ragen/env/base.py`` and ``llm_agent/generation.py``): the agent
-answers ``<think>...</think><answer>...</answer>``; the answer is parsed into an action; an answer that
-cannot be parsed is an *invalid* action and earns the environment's ``invalid_penalty`` without changing
-its state. In a multi-turn episode each step's reward, done flag and new observation are appended as the
-next environment turn; the trajectory reward is the sum of step rewards.
+Semantics follow RAGEN (commit 381b659, 2025-02-15: ``ragen/env/base.py``, ``ragen/llm_agent/generation.py``):
+
+- Every prompt ends with the prefilled ``<think>`` (``THINK_PREFILL``; RAGEN's templates end with it).
+- Parsing (``BaseDiscreteActionEnv.postprocess_predictions``): the text after the first ``<answer>`` up to
+  the next ``</answer>`` (or the end), or the whole text when there is no ``<answer>``; anything before
+  ``<answer>`` is ignored. Its stripped content is matched by the environment's ``parse_action`` (action
+  words, and in RAGEN's grid environments action digits: ``4``, ``4 (right)``).
+- An unparseable answer is *invalid*: the environment takes its no-op step (``_noop``: Sokoban's costs
+  -0.1) and the step reward is that plus ``invalid_penalty``; the agent is shown the no-op step's reward
+  without the penalty (RAGEN: "penalty_for_invalid is not included in observation shown to the LLM").
+- ``--env_params strict=true`` (any environment) switches to the project's stricter format instead: no
+  prefill, and only ``<think>T</think><answer>A</answer>`` or ``<answer>A</answer>`` with action words
+  (``extract_answer``); it helps very small models that must learn the format from scratch.
+
+In a multi-turn episode each step's reward, done flag and new observation are appended as the next
+environment turn; the trajectory reward is the sum of step rewards.
 
 Everything here is text level and model free: a trainer supplies a policy (a function from history text
 or in-progress trajectories to answer text) and tokenizes ``Trajectory.segments()`` to mask environment
@@ -34,6 +45,8 @@ BUILTIN_MODULES = ("bandit", "sokoban", "frozenlake", "arithmetic", "prisoners")
 # Joins history segments; also ends every segment, so a history always ends with it and a model
 # generating from it starts directly with its answer.
 SEPARATOR = "\n"
+# RAGEN's prompts end with the opened think tag; the agent's text continues it (non-strict format).
+THINK_PREFILL = "<think>"
 
 # ---------------------------------------------------------------------------------------------------
 # Answer format
@@ -64,19 +77,36 @@ def extract_answer(text: str) -> str | None:
     return answer or None
 
 
+def ragen_answer(text: str) -> str:
+    """RAGEN's answer extraction (``postprocess_predictions``): the stripped text between the first
+    ``<answer>`` and the next ``</answer>`` (or the end), or all of ``text`` without ``<answer>``.
+    Tags may contain whitespace and any case (``< answer >``, as a WordPiece decode prints them)."""
+    tags = list(_TAG.finditer(text))
+    opening = next((m for m in tags if m.group(1) == "" and m.group(2).lower() == "answer"), None)
+    if opening is None:
+        return text.strip()
+    rest = text[opening.end() :]
+    close = next((m for m in _TAG.finditer(rest) if m.group(1) == "/" and m.group(2).lower() == "answer"), None)
+    return (rest[: close.start()] if close else rest).strip()
+
+
 def answer_text(action: str) -> str:
     """The no-think completion for an action: ``<answer>action</answer>``."""
     return f"<answer>{action}</answer>"
 
 
-def no_think_rewrite(text: str) -> str:
-    """RAGEN's ``no_think_rl``: the trained response is just ``<answer>X</answer>``.
+INVALID_ACTION_NAME = "none"  # RAGEN's ACTION_LOOKUP[INVALID_ACTION]
 
-    X is the parsed answer content; a malformed response becomes ``<answer></answer>`` (RAGEN wrote its
-    invalid action's name there), so re-parsing the rewrite is invalid exactly when ``text`` was.
-    """
-    answer = extract_answer(text)
-    return answer_text(answer if answer is not None else "")
+
+def no_think_rewrite(text: str, env: Environment) -> str:
+    """RAGEN's ``no_think_rl`` (``generation.py``): the trained response is ``<answer>X</answer>``, X the
+    canonical action ``env`` parses from ``text``, or ``none`` when it is invalid; re-parsing the
+    rewrite gives the same action (checked)."""
+    action = env.parse_answer(text)
+    rewritten = answer_text(action if action is not None else INVALID_ACTION_NAME)
+    if env.parse_answer(rewritten) != action:
+        raise AssertionError(f"{env.name}: no_think rewrite {rewritten!r} does not parse as {action!r}")
+    return rewritten
 
 
 def truncate_after_answer(text: str) -> str:
@@ -93,7 +123,9 @@ def truncate_after_answer(text: str) -> str:
 
 @dataclass(frozen=True)
 class StepResult:
-    """One environment step. ``info`` always holds ``valid`` (bool) and ``action`` (str or None)."""
+    """One environment step. ``info`` always holds ``valid`` (bool), ``action`` (str or None),
+    ``penalty`` (the invalid-answer penalty included in ``reward``, 0 when valid) and ``shown_reward``
+    (``reward`` without the penalty: what the agent is shown)."""
 
     observation: str
     reward: float
@@ -113,6 +145,9 @@ class Environment(ABC):
     max_turns_default: ClassVar[int]
     invalid_penalty: ClassVar[float] = -1.0
     action_words: ClassVar[tuple[str, ...]]
+    # RAGEN's action numbers: digit_actions[i] is the answer ``i + 1`` (grid environments), () for none.
+    digit_actions: ClassVar[tuple[str, ...]] = ()
+    strict: bool = False  # the project's strict answer format (``--env_params strict=true``, see make_env)
     has_solver: ClassVar[bool] = False
     single_step: ClassVar[bool] = False  # the first step always ends the episode (also when invalid)
     instructions: ClassVar[str]  # task + format description for instruct-model prompts
@@ -142,26 +177,50 @@ class Environment(ABC):
             raise RuntimeError(f"{self.name}: step() after the episode ended")
         action = self.parse_answer(action_text)
         if action is None:
-            reward, done, info = self.invalid_penalty, self.single_step, {}
+            shown, done, info = self._noop()
+            penalty = self.invalid_penalty
         else:
-            reward, done, info = self._apply(action)
+            (shown, done, info), penalty = self._apply(action), 0.0
         self._done = done
-        info = {"valid": action is not None, "action": action, **info}
-        return StepResult(self.format_observation(), float(reward), done, info)
+        info = {"valid": action is not None, "action": action, "penalty": penalty, "shown_reward": shown, **info}
+        return StepResult(self.format_observation(), float(shown + penalty), done, info)
+
+    def _noop(self) -> tuple[float, bool, dict]:
+        """The step an invalid answer takes before its penalty (RAGEN's INVALID_ACTION 0): reward 0, ends
+        the episode only in single-step environments. Sokoban overrides it (gym-sokoban's no-op: -0.1)."""
+        return 0.0, self.single_step, {}
+
+    @property
+    def prefill(self) -> str:
+        """Text that ends every prompt, the agent's answer continuing it: RAGEN's ``<think>``, or none."""
+        return "" if self.strict else THINK_PREFILL
+
+    @classmethod
+    def sft_params(cls, params: dict) -> dict:
+        """Parameters of the environment whose BFS paths make SFT data (FrozenLake: non-slippery ice)."""
+        return params
 
     @property
     def done(self) -> bool:
         return self._done
 
     def parse_answer(self, text: str) -> str | None:
-        """The canonical action of a RAGEN-format answer, or None when it is invalid."""
-        answer = extract_answer(text)
+        """The canonical action of an answer (RAGEN's extraction, or ``extract_answer`` when strict)."""
+        answer = extract_answer(text) if self.strict else ragen_answer(text)
         return None if answer is None else self.parse_action(answer)
 
     def parse_action(self, answer: str) -> str | None:
-        """An answer's content -> canonical action word (lower case), or None. Case-insensitive."""
+        """An answer's content -> canonical action word (lower case), or None. Case-insensitive. Not
+        strict and with ``digit_actions``: also RAGEN's ``extract_action`` forms ``N`` and ``N (word)``
+        (the digit decides: ``4 (up)`` is action 4)."""
         word = answer.strip().lower()
-        return word if word in self.action_words else None
+        if word in self.action_words:
+            return word
+        if self.digit_actions and not self.strict:
+            match = _digit_pattern(len(self.digit_actions), self.action_words).fullmatch(word)
+            if match:
+                return self.digit_actions[int(match.group(1) or match.group(2)) - 1]
+        return None
 
     @abstractmethod
     def _reset(self, rng: random.Random) -> None: ...
@@ -172,6 +231,12 @@ class Environment(ABC):
 
     @abstractmethod
     def format_observation(self) -> str: ...
+
+
+def _digit_pattern(n: int, words: Sequence[str]) -> re.Pattern:
+    """RAGEN's grid ``extract_action`` regex: ``^\\s*(([1-n])\\s*\\((w|..)\\)|(w|..)|([1-n]))\\s*$``."""
+    alts = "|".join(map(re.escape, words))
+    return re.compile(rf"\s*(?:([1-{n}])\s*\((?:{alts})\)|([1-{n}]))\s*")
 
 
 def register_env(cls: type[Environment]) -> type[Environment]:
@@ -187,8 +252,13 @@ def env_class(name: str) -> type[Environment]:
 
 
 def make_env(name: str, **params) -> Environment:
-    """Build a registered environment; unknown name, unknown parameter or bad value -> ConfigError."""
+    """Build a registered environment; unknown name, unknown parameter or bad value -> ConfigError.
+
+    ``strict`` (bool, any environment): the project's strict answer format instead of RAGEN's."""
     cls = env_class(name)
+    strict = params.pop("strict", False)
+    if not isinstance(strict, bool):
+        raise ConfigError(f"environment {name!r}: strict must be true or false, got {strict!r}")
     try:
         inspect.signature(cls).bind(**params)
     except TypeError as e:
@@ -197,9 +267,11 @@ def make_env(name: str, **params) -> Environment:
             f"environment {name!r}: bad parameters {sorted(params)} ({e}); accepted: {accepted}"
         ) from None
     try:
-        return cls(**params)
+        env = cls(**params)
     except ValueError as e:  # includes ConfigError (e.g. an unknown opponent)
         raise ConfigError(f"environment {name!r}: {e}") from None
+    env.strict = strict
+    return env
 
 
 def parse_env_params(text: str) -> dict:
@@ -226,9 +298,11 @@ def check_max_turns(max_turns: int) -> int:
 
 
 def feedback_text(result: StepResult) -> str:
-    """The environment turn shown after an action: validity, reward, done flag, new observation."""
+    """The environment turn shown after an action: validity, reward without the invalid-answer penalty
+    (RAGEN's ``parse_update_info_to_obs``), done flag, new observation."""
     lines = [] if result.info["valid"] else ["invalid answer"]
-    lines += [f"reward: {result.reward:g}", f"done: {str(result.done).lower()}", result.observation]
+    shown = round(result.info["shown_reward"], 10)
+    lines += [f"reward: {shown:g}", f"done: {str(result.done).lower()}", result.observation]
     return SEPARATOR.join(lines)
 
 
@@ -248,6 +322,7 @@ class Trajectory:
     turns: list[Turn] = field(default_factory=list)
     done: bool = False  # the environment ended the episode
     truncated: bool = False  # max_turns ran out first
+    prefill: str = ""  # the environment's ``prefill``: ends every prompt, the agent's text continues it
 
     def add(self, agent: str, result: StepResult) -> None:
         self.turns.append(Turn(agent, feedback_text(result), result.reward, result.info["valid"], result.info))
@@ -278,14 +353,16 @@ class Trajectory:
         return out
 
     def history_text(self) -> str:
-        """Plain-text prompt for the next action: every segment followed by SEPARATOR."""
-        return "".join(text + SEPARATOR for _, text in self.segments())
+        """Plain-text prompt for the next action: every segment followed by SEPARATOR, every env segment
+        then by the prefill."""
+        return "".join(text + SEPARATOR + (self.prefill if role == "env" else "") for role, text in self.segments())
 
     def messages(self, system: str | None = None) -> list[dict]:
-        """Chat messages (env turns as "user", agent turns as "assistant") for chat-template models."""
-        roles = {"env": "user", "agent": "assistant"}
+        """Chat messages (env turns as "user", agent turns as "assistant", each after the prefill) for
+        chat-template models; the caller appends the prefill after the generation prompt."""
         head = [{"role": "system", "content": system}] if system is not None else []
-        return head + [{"role": roles[r], "content": text} for r, text in self.segments()]
+        return head + [{"role": "user", "content": text} if role == "env"
+                       else {"role": "assistant", "content": self.prefill + text} for role, text in self.segments()]  # fmt: skip
 
 
 def run_episodes(
@@ -298,7 +375,7 @@ def run_episodes(
     check_max_turns(max_turns)
     if len(envs) != len(seeds):
         raise ValueError(f"{len(envs)} environments but {len(seeds)} seeds")
-    trajs = [Trajectory(seed, env.reset(seed)) for env, seed in zip(envs, seeds)]
+    trajs = [Trajectory(seed, env.reset(seed), prefill=env.prefill) for env, seed in zip(envs, seeds)]
     active = list(range(len(envs)))
     for _ in range(max_turns):
         if not active:

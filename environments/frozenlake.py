@@ -1,10 +1,18 @@
-"""FrozenLake (RAGEN early 2025: ``ragen/env/frozen_lake``, on Gymnasium's ``FrozenLakeEnv``).
+"""FrozenLake (RAGEN commit 381b659, 2025-02-15: ``ragen/env/frozen_lake/env.py``, on Gymnasium's
+``FrozenLakeEnv``; 4x4, p 0.8 as RAGEN's ``config/frozenlake.yaml``).
 
 Reaching the goal: +1 and the episode ends (success); stepping into a hole ends it with 0; any other
-valid step 0. Walking off the grid leaves the player in place (Gymnasium). ``slippery``: the player
-moves in the intended direction w.p. 1/3 and in each perpendicular direction w.p. 1/3 (Gymnasium's
-``is_slippery``; RAGEN's default was slippery, here it is an explicit option, off by default so the BFS
-solver applies). An invalid answer costs ``invalid_penalty`` (-1) and changes nothing.
+valid step 0. Walking off the grid leaves the player in place (Gymnasium). ``slippery`` (default, as
+RAGEN's ``is_slippery=True``): the player moves in the intended direction w.p. 1/3 and in each
+perpendicular direction w.p. 1/3 (Gymnasium's ``is_slippery``). An invalid answer changes nothing and
+costs ``invalid_penalty`` (-1); the agent is shown reward 0. Answers: left/down/right/up or RAGEN's
+digits 1-4 in that order.
+
+SFT data (``sft_params``): the BFS shortest path on the same map with non-slippery dynamics, i.e. the
+intended moves. RAGEN's BFS (``frozen_lake/utils.py: get_shortest_action_path``) replays each candidate
+under the level seed's own slip draws, so its path has the same length but its labels are the actions
+that, under those particular draws, produce the moves (2/3 of them perpendicular to the intended move);
+under fresh draws such a label is no better than a random turn, so the intended move is used here.
 
 Maps (deterministic by seed, RAGEN's generator): each cell is frozen w.p. ``p_frozen`` else a hole;
 start and goal are distinct random cells; maps without a hole-free path from start to goal (BFS) are
@@ -18,8 +26,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-
-from trl_ext.registry import ConfigError
 
 from .base import Environment, register_env
 from .solvers import bfs
@@ -114,6 +120,7 @@ class FrozenLakeEnv(Environment):
     name = "frozenlake"
     max_turns_default = 5  # RAGEN's FrozenLake runs (seed run list: training.max_turns=5)
     action_words = ACTIONS
+    digit_actions = ACTIONS  # RAGEN's ACTION_LOOKUP 1-4
     has_solver = True
     instructions = (
         "You are the player P on a frozen lake. Walk to the goal G without falling into a hole O. "
@@ -122,7 +129,7 @@ class FrozenLakeEnv(Environment):
     )
 
     def __init__(
-        self, size: int = 4, p_frozen: float = 0.8, slippery: bool = False, invalid_penalty: float | None = None
+        self, size: int = 4, p_frozen: float = 0.8, slippery: bool = True, invalid_penalty: float | None = None
     ):
         super().__init__(invalid_penalty)
         if size < 2 or not 0.0 < p_frozen <= 1.0:
@@ -153,9 +160,12 @@ class FrozenLakeEnv(Environment):
         return render(self.lake, self.pos)
 
     def solver_state(self) -> Cell:
-        if self.slippery:
-            raise ConfigError("frozenlake: the BFS solver needs slippery=False")
         return self.pos
+
+    @classmethod
+    def sft_params(cls, params: dict) -> dict:
+        """SFT paths on the same maps with non-slippery dynamics (the map draws come before any slip)."""
+        return {**params, "slippery": False}
 
     def successors(self, state: Cell):
         return _successors(self.lake)(state)

@@ -1,16 +1,25 @@
-"""Sokoban, one box (RAGEN early 2025: ``ragen/env/sokoban``, rewards of gym-sokoban by Schrader 2018).
+"""Sokoban, one box (RAGEN commit 381b659, 2025-02-15: ``ragen/env/sokoban/env.py`` on gym-sokoban's
+``SokobanEnv`` rewards, levels from ``ragen/env/sokoban/room_utils.py``; 6x6 rooms, search_depth 30 as in
+RAGEN's ``config/sokoban.yaml``).
 
 Per valid step: -0.1; pushing the box onto the target +1, off the target -1; solving (box on target)
 +10 and the episode ends. Bumping into a wall, or pushing the box into a wall, is a valid step that
-changes nothing (-0.1). An invalid answer costs ``invalid_penalty`` (-1) and changes nothing; RAGEN's
-tracking added its penalty twice, here it counts once. Turn limits are the caller's ``max_turns``.
+changes nothing (-0.1). An invalid answer runs gym-sokoban's no-op action (-0.1, nothing moves) and
+adds ``invalid_penalty`` (-1): -1.1 in all, of which the agent is shown -0.1 (RAGEN's
+``_update_tracking_variables``). Answers: up/down/left/right or RAGEN's digits 1-4 in that order.
 
-Levels (deterministic by seed): a room is carved by a random walk (gym-sokoban's topology generation);
-the box starts on the target and the player plays in reverse (moving, sometimes pulling the box) for
-``reverse_steps`` moves; the state with the highest pulls x box displacement is kept (gym-sokoban's
-room score), then the player wanders 0-3 cells (RAGEN's ``add_random_player_movement``).
-Reverse play makes every level solvable; a BFS solve confirms it. Rooms where the box never left the
-target are redrawn from the same random stream.
+Levels (``generate_level``, RAGEN's ``generate_room``; exact per seed: Python's ``random`` seeded with the
+level seed draws the room, numpy's legacy ``RandomState(seed)`` the player and target, as RAGEN's
+``set_seed``): a room is carved by a random walk of ``int(1.7 * 2 * size)`` steps (gym-sokoban's
+``room_topology_generation``); the player and the box target are placed on random floor cells; then a
+depth-first search of reverse play (every move pulls the box when it is behind the player) visits every
+state within ``search_depth`` - 1 moves (RAGEN's ``depth_first_search``: states deduplicated on first
+visit, ttl semantics as RAGEN's) and keeps the first state, in search order, of the highest score:
+the box's Manhattan distance from the target (RAGEN's box_swaps x displacement, where box_swaps is 1
+once the one box has been pulled), 0 when the target is covered (by the box or the player). A room whose
+best score is 0 is redrawn; RAGEN tries 4 rooms per seed and then re-seeds with ``hash(str(seed))``
+(which depends on PYTHONHASHSEED), here the same streams keep drawing (``_MAX_TRIES`` rooms). A BFS
+solve confirms every level.
 
 Grid symbols (RAGEN's, with ASCII ``*`` for its box-on-target glyph): ``#`` wall, ``_`` floor,
 ``O`` target, ``X`` box, ``*`` box on target, ``P`` player, ``S`` player on target.
@@ -81,73 +90,90 @@ def step_reward(was_on: bool, now_on: bool) -> float:
     return reward
 
 
-def _carve(rng: random.Random, size: int) -> frozenset[Cell]:
-    steps = int(1.7 * (size + size))  # gym-sokoban's num_gen_steps
-    dirs = list(MOVES.values())
-    d = rng.choice(dirs)
-    pos = (rng.randint(1, size - 2), rng.randint(1, size - 2))
+# gym-sokoban / RAGEN room_utils constants: walk directions and reverse-play move order.
+_WALK_DIRECTIONS = ((1, 0), (0, 1), (-1, 0), (0, -1))
+_REVERSE_MOVES = ((-1, 0), (1, 0), (0, -1), (0, 1))  # CHANGE_COORDINATES 0..3: up, down, left, right
+_P_CHANGE_DIRECTIONS = 0.35
+_MAX_EXPLORED = 300_000
+
+
+def carve(rng: random.Random, size: int, num_steps: int) -> frozenset[Cell]:
+    """``room_topology_generation``: a random walk stamping 3x3 masks; the border stays wall."""
+    direction = rng.sample(_WALK_DIRECTIONS, 1)[0]
+    pos = (rng.randint(1, size - 1), rng.randint(1, size - 1))
     floor: set[Cell] = set()
-    for _ in range(steps):
-        if rng.random() < 0.35:  # gym-sokoban's p_change_directions
-            d = rng.choice(dirs)
-        pos = (min(max(pos[0] + d[0], 1), size - 2), min(max(pos[1] + d[1], 1), size - 2))
-        mask = rng.choice(_MASKS)
+    for _ in range(num_steps):
+        if rng.random() < _P_CHANGE_DIRECTIONS:
+            direction = rng.sample(_WALK_DIRECTIONS, 1)[0]
+        pos = (max(min(pos[0] + direction[0], size - 2), 1), max(min(pos[1] + direction[1], size - 2), 1))
+        mask = rng.sample(_MASKS, 1)[0]
         floor |= {(pos[0] - 1 + i, pos[1] - 1 + j) for i in range(3) for j in range(3) if mask[i][j]}
     return frozenset(c for c in floor if 0 < c[0] < size - 1 and 0 < c[1] < size - 1)
+
+
+def place(np_rng, floor: frozenset[Cell]) -> tuple[Cell, Cell] | None:
+    """``place_boxes_and_player`` with one box: (player, target), or None when the room has <= 2 floor
+    cells (RAGEN raises). Cells in row-major order, as ``np.where``."""
+    cells = sorted(floor)
+    if len(cells) <= 2:
+        return None
+    player = cells[np_rng.randint(len(cells))]
+    rest = [c for c in cells if c != player]
+    return player, rest[np_rng.randint(len(rest))]
+
+
+def reverse_search(floor: frozenset[Cell], target: Cell, player: Cell, search_depth: int) -> tuple[int, Cell, Cell]:
+    """RAGEN's ``reverse_playing`` / ``depth_first_search`` for one box starting on ``target``:
+    (best score, player, box) of the first state in depth-first order with the highest score."""
+    explored: set[tuple[Cell, Cell, bool]] = set()
+    best = [-1, player, target]
+
+    def visit(player: Cell, box: Cell, pulled: bool, ttl: int) -> None:
+        ttl -= 1
+        # RAGEN hashes the room array, where a pulled box is code 3 and the unmoved one code 4: the key
+        # holds whether the box was pulled.
+        if ttl <= 0 or len(explored) >= _MAX_EXPLORED or (player, box, pulled) in explored:
+            return
+        score = _displacement(box, target) if pulled and player != target and box != target else 0
+        if score > best[0]:
+            best[:] = [score, player, box]
+        explored.add((player, box, pulled))
+        for d in _REVERSE_MOVES:
+            nxt, nbox, npulled = _shift(player, d), box, pulled
+            if nxt not in floor or nxt == box:
+                continue  # blocked: RAGEN recurses into the same, already explored state (a no-op)
+            if _shift(player, d, -1) == box:  # the box is right behind the player: pull it
+                nbox, npulled = player, True
+            visit(nxt, nbox, npulled, ttl)
+
+    visit(player, target, False, search_depth)
+    return best[0], best[1], best[2]
 
 
 def _displacement(a: Cell, b: Cell) -> int:
     return abs(a[0] - b[0]) + abs(a[1] - b[1])
 
 
-def generate_level(rng: random.Random, size: int, reverse_steps: int) -> Level:
-    dirs = list(MOVES.values())
+def generate_level(seed: int, size: int, search_depth: int) -> Level:
+    """RAGEN's ``generate_room`` for one box and level ``seed`` (see the module docstring)."""
+    import numpy as np
+
+    rng, np_rng = random.Random(seed), np.random.RandomState(seed)
+    num_steps = int(1.7 * (size + size))  # gym-sokoban's num_gen_steps
     for _ in range(_MAX_TRIES):
-        floor = _carve(rng, size)
-        cells = sorted(floor)
-        if len(cells) < 3:
+        floor = carve(rng, size, num_steps)
+        placed = place(np_rng, floor)
+        if placed is None:
             continue
-        target = rng.choice(cells)
-        player = rng.choice([c for c in cells if c != target])
-        box, pulls, best = target, 0, (0, player, target)
-        for _ in range(reverse_steps):
-            d = rng.choice(dirs)
-            nxt = _shift(player, d)
-            if nxt not in floor or nxt == box:
-                continue
-            if _shift(player, d, -1) == box and rng.random() < 0.5:
-                box, pulls = player, pulls + 1  # pull: the box follows the player
-            player = nxt
-            if pulls * _displacement(box, target) > best[0]:
-                best = (pulls * _displacement(box, target), player, box)
-        score, player, box = best
-        if score == 0:
+        player, target = placed
+        score, player, box = reverse_search(floor, target, player, search_depth)
+        if score <= 0:
             continue
-        displacement = _displacement(box, target)
-        player = _wander(rng, floor, player, box, 0.8 if displacement == 1 else 0.5)
         level = Level(floor, size, target, box, player)
         if bfs((player, box), _successors(level), lambda s: s[1] == target) is None:
             raise RuntimeError("reverse play produced an unsolvable Sokoban level")
         return level
     raise RuntimeError(f"no Sokoban level with the box off target after {_MAX_TRIES} tries")
-
-
-def _wander(rng: random.Random, floor: frozenset[Cell], player: Cell, box: Cell, p_move: float) -> Cell:
-    """RAGEN's random player movement after reverse play: w.p. p_move walk 1-3 cells (continuing
-    w.p. 1/2), never revisiting a cell, so the player does not always start next to the box."""
-    if rng.random() >= p_move:
-        return player
-    seen = [player]
-    for _ in range(3):
-        options = [_shift(player, d) for d in MOVES.values()]
-        options = [c for c in options if c in floor and c != box and c not in seen]
-        if not options:
-            break
-        player = rng.choice(options)
-        seen.append(player)
-        if rng.random() >= 0.5:
-            break
-    return player
 
 
 def _successors(level: Level):
@@ -201,6 +227,7 @@ class SokobanEnv(Environment):
     name = "sokoban"
     max_turns_default = 5  # RAGEN's Sokoban runs (seed run list: training.max_turns=5)
     action_words = ("up", "down", "left", "right")
+    digit_actions = action_words  # RAGEN's ACTION_LOOKUP 1-4
     has_solver = True
     instructions = (
         "You are the player P in a Sokoban puzzle. Push the box X onto the target O. "
@@ -208,14 +235,14 @@ class SokobanEnv(Environment):
         "Answer with one move: up, down, left or right, as <think>...</think><answer>move</answer>."
     )
 
-    def __init__(self, size: int = 6, reverse_steps: int = 30, invalid_penalty: float | None = None):
+    def __init__(self, size: int = 6, search_depth: int = 30, invalid_penalty: float | None = None):
         super().__init__(invalid_penalty)
-        if size < 4 or reverse_steps < 1:
-            raise ValueError(f"sokoban: need size >= 4 and reverse_steps >= 1, got {size}, {reverse_steps}")
-        self.size, self.reverse_steps = size, reverse_steps
+        if size < 4 or search_depth < 2:
+            raise ValueError(f"sokoban: need size >= 4 and search_depth >= 2, got {size}, {search_depth}")
+        self.size, self.search_depth = size, search_depth
 
     def _reset(self, rng: random.Random) -> None:
-        self._set(generate_level(rng, self.size, self.reverse_steps))
+        self._set(generate_level(self.seed, self.size, self.search_depth))
 
     def load(self, level_text: str) -> str:
         """Start an episode on a hand-made level (see ``parse_level``); returns its observation."""
@@ -231,6 +258,10 @@ class SokobanEnv(Environment):
         self.player, self.box = push(self.level.floor, self.player, self.box, action)
         now_on = self.box == self.level.target
         return step_reward(was_on, now_on), now_on, {"success": now_on}
+
+    def _noop(self) -> tuple[float, bool, dict]:
+        """gym-sokoban's action 0 (no operation): a step penalty, nothing moves."""
+        return STEP_PENALTY, False, {"success": False}
 
     def format_observation(self) -> str:
         return render(self.level, self.player, self.box)

@@ -65,15 +65,16 @@ def solved_steps(env_name: str, n: int, seed: int, **env_params):
     """Yield ``(env, trajectory so far, answer text)`` along the optimal paths of levels seed .. seed+n-1.
 
     Each item is yielded before the answer is applied, so the trajectory is the history the policy sees
-    at that state. Every level's path must end in success (checked). An environment without a solver,
-    ``n < 1`` or parameters the solver cannot handle -> ConfigError.
+    at that state. The paths are those of ``sft_params(env_params)`` (FrozenLake: non-slippery ice on the
+    same maps). Every level's path must end in success (checked). An environment without a solver or
+    ``n < 1`` -> ConfigError.
     """
     _require_solver(env_name)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"sft data: n must be an int >= 1, got {n!r}")
-    env = make_env(env_name, **env_params)
+    env = make_env(env_name, **env_class(env_name).sft_params(dict(env_params)))
     for level_seed in range(seed, seed + n):
-        traj = Trajectory(level_seed, env.reset(level_seed))
+        traj = Trajectory(level_seed, env.reset(level_seed), prefill=env.prefill)
         for action in shortest_actions(env):
             answer = answer_text(action)
             yield env, traj, answer

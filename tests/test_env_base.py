@@ -8,6 +8,7 @@ from environments.base import (
     extract_answer,
     make_env,
     no_think_rewrite,
+    ragen_answer,
     run_episode,
     run_episodes,
     truncate_after_answer,
@@ -36,7 +37,13 @@ class CounterEnv(Environment):
         return f"count {self.count}"
 
 
-# (text, parse_answer result for CounterEnv's action words)
+def strict_env():
+    env = CounterEnv()
+    env.strict = True
+    return env
+
+
+# (text, parse_answer result for CounterEnv's action words) in the strict format
 PARSE_CASES = [
     ("<think>go</think><answer>inc</answer>", "inc"),
     ("<answer>inc</answer>", "inc"),
@@ -65,24 +72,59 @@ PARSE_CASES = [
 
 
 @pytest.mark.parametrize("text,expected", PARSE_CASES)
-def test_parse_answer_table(text, expected):
+def test_strict_parse_answer_table(text, expected):
+    assert strict_env().parse_answer(text) == expected
+
+
+# RAGEN's postprocess_predictions: text after the first <answer> up to </answer> (or the end), else all.
+RAGEN_CASES = [
+    ("<think>go</think><answer>inc</answer>", "inc"),
+    ("</think><answer>inc</answer>", "inc"),  # after the prefilled <think>
+    ("I say <answer>inc</answer>", "inc"),  # text before
+    ("<think>a</think> so <answer> Stop </answer>", "stop"),
+    ("< answer > inc < / answer >", "inc"),
+    ("inc", "inc"),  # bare action
+    ("  STOP \n", "stop"),
+    ("<answer>inc", "inc"),  # no close: to the end
+    ("<answer>inc</answer><answer>stop</answer>", "inc"),  # the first answer
+    ("<answer>inc</answer> done", "inc"),
+    ("<think>x</think>", None),  # no answer tag: the whole text, not an action
+    ("inc</answer>", None),
+    ("<answer></answer>", None),
+    ("<answer>inc stop</answer>", None),
+    ("1", None),  # CounterEnv has no action digits
+]
+
+
+@pytest.mark.parametrize("text,expected", RAGEN_CASES)
+def test_ragen_parse_answer_table(text, expected):
     assert CounterEnv().parse_answer(text) == expected
+
+
+def test_ragen_answer_content():
+    assert ragen_answer("a <answer> b c </answer> d") == "b c"
+    assert ragen_answer("  plain  ") == "plain"
+    assert ragen_answer("<answer> x") == "x"
 
 
 def test_extract_answer_keeps_case_and_inner_text():
     assert extract_answer("<think>t</think><answer> Two Words </answer>") == "Two Words"
 
 
-@pytest.mark.parametrize("text,expected", PARSE_CASES)
+@pytest.mark.parametrize("text,expected", PARSE_CASES + RAGEN_CASES)
 def test_no_think_rewrite_preserves_validity(text, expected):
-    rewritten = no_think_rewrite(text)
-    assert CounterEnv().parse_answer(rewritten) == expected
-    assert "<think>" not in rewritten
+    for env in (strict_env(), CounterEnv()):
+        rewritten = no_think_rewrite(text, env)
+        assert env.parse_answer(rewritten) == env.parse_answer(text)
+        assert "<think>" not in rewritten
 
 
 def test_no_think_rewrite_values():
-    assert no_think_rewrite("<think>long reasoning</think><answer> Inc </answer>") == "<answer>Inc</answer>"
-    assert no_think_rewrite("no tags at all") == "<answer></answer>"
+    """RAGEN writes the canonical action name, or its invalid action's name ``none``."""
+    assert no_think_rewrite("<think>long reasoning</think><answer> Inc </answer>", CounterEnv()) == "<answer>inc</answer>"
+    assert no_think_rewrite("no tags at all", CounterEnv()) == "<answer>none</answer>"
+    assert no_think_rewrite("inc", CounterEnv()) == "<answer>inc</answer>"
+    assert no_think_rewrite("inc", strict_env()) == "<answer>none</answer>"
 
 
 def test_truncate_after_answer():
@@ -131,19 +173,37 @@ def scripted(answers):
 
 
 def test_run_episode_rewards_invalid_and_history():
+    """RAGEN format: prompts end with <think>; an invalid answer costs the penalty but shows reward 0."""
     policy, calls = scripted(["<answer>inc</answer>", "oops", "<answer>stop</answer>"])
     traj = run_episode(CounterEnv(), policy, seed=0, max_turns=5)
     assert traj.step_rewards == [1.0, -1.0, 0.5]
     assert traj.total_reward == 0.5
     assert traj.n_invalid == 1
     assert traj.done and not traj.truncated and traj.success
-    assert calls[0] == "count 0\n"
-    assert calls[1] == "count 0\n<answer>inc</answer>\nreward: 1\ndone: false\ncount 1\n"
-    assert calls[2] == calls[1] + "oops\ninvalid answer\nreward: -1\ndone: false\ncount 1\n"
+    assert calls[0] == "count 0\n<think>"
+    assert calls[1] == "count 0\n<think><answer>inc</answer>\nreward: 1\ndone: false\ncount 1\n<think>"
+    assert calls[2] == calls[1] + "oops\ninvalid answer\nreward: 0\ndone: false\ncount 1\n<think>"
+    assert traj.turns[1].info["penalty"] == -1.0 and traj.turns[1].info["shown_reward"] == 0.0
     assert [r for r, _ in traj.segments()] == ["env", "agent", "env", "agent", "env", "agent", "env"]
     assert traj.segments()[-1] == ("env", "reward: 0.5\ndone: true\ncount 1")
     msgs = traj.messages(system="sys")
     assert [m["role"] for m in msgs[:4]] == ["system", "user", "assistant", "user"]
+    assert msgs[2]["content"] == "<think><answer>inc</answer>"
+
+
+def test_strict_run_episode_history():
+    policy, calls = scripted(["<answer>inc</answer>", "inc", "<answer>stop</answer>"])
+    traj = run_episode(strict_env(), policy, seed=0, max_turns=5)
+    assert traj.step_rewards == [1.0, -1.0, 0.5]
+    assert calls[1] == "count 0\n<answer>inc</answer>\nreward: 1\ndone: false\ncount 1\n"
+    assert calls[2] == calls[1] + "inc\ninvalid answer\nreward: 0\ndone: false\ncount 1\n"
+    assert traj.messages()[1]["content"] == "<answer>inc</answer>"
+
+
+def test_strict_param_of_make_env():
+    assert make_env("frozenlake", strict=True).strict and not make_env("frozenlake").strict
+    with pytest.raises(ConfigError, match="strict must be true or false"):
+        make_env("sokoban", strict="yes")
 
 
 def test_run_episode_max_turns_cut_off():

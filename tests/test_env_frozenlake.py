@@ -2,10 +2,9 @@ import math
 
 import pytest
 
-from environments.base import make_env, run_episode
+from environments.base import feedback_text, make_env, run_episode
 from environments.frozenlake import parse_map
 from environments.solvers import shortest_actions
-from trl_ext.registry import ConfigError
 
 
 def ans(action):
@@ -23,14 +22,15 @@ O _ _ G
 
 
 def test_scripted_edges_invalid_and_hole():
-    env = make_env("frozenlake")
+    env = make_env("frozenlake", slippery=False)
     start = env.load(LAKE, seed=0)
     assert start == LAKE.strip()
     for a in ("up", "left"):  # off the grid: stay
         r = env.step(ans(a))
         assert (r.observation, r.reward, r.done, r.info["valid"]) == (start, 0.0, False, True)
-    r = env.step("<answer>fly</answer>")
+    r = env.step("<answer>fly</answer>")  # RAGEN: a no-op step (0) plus the penalty (-1); shown 0
     assert (r.observation, r.reward, r.done, r.info["valid"]) == (start, -1.0, False, False)
+    assert feedback_text(r).splitlines()[:3] == ["invalid answer", "reward: 0", "done: false"]
     r = env.step(ans("right"))
     assert r.observation.splitlines()[0] == "_ P _ _" and not r.done
     r = env.step(ans("down"))  # into the hole at (1,1)
@@ -39,7 +39,7 @@ def test_scripted_edges_invalid_and_hole():
 
 
 def test_goal_reward_and_solver_length():
-    env = make_env("frozenlake")
+    env = make_env("frozenlake", slippery=False)
     env.load(LAKE, seed=0)
     path = shortest_actions(env)
     assert len(path) == 6
@@ -64,14 +64,16 @@ def test_slippery_direction_frequencies():
 
 
 def test_non_slippery_moves_as_told():
-    env = make_env("frozenlake")
+    env = make_env("frozenlake", slippery=False)
     for seed in range(20):
         env.load("_ _ _\n_ P _\n_ _ G", seed=seed)
         assert env.step(ans("left")).observation == "_ _ _\nP _ _\n_ _ G"
 
 
 def test_maps_deterministic_and_solvable():
-    a, b = make_env("frozenlake"), make_env("frozenlake")
+    """Slippery (the default) and non-slippery ice give the same map per seed (slips draw afterwards)."""
+    a, b = make_env("frozenlake", slippery=False), make_env("frozenlake")
+    assert b.slippery
     seen = set()
     for seed in range(200):
         obs = a.reset(seed)
@@ -85,24 +87,36 @@ def test_maps_deterministic_and_solvable():
 
 
 def test_max_turns_cut_off():
-    probe = make_env("frozenlake")
+    probe = make_env("frozenlake", slippery=False)
     seed = next(s for s in range(100) if probe.reset(s) and len(shortest_actions(probe)) >= 3)
     probe.reset(seed)
     path = shortest_actions(probe)
     moves = iter(path)
-    traj = run_episode(make_env("frozenlake"), lambda h: ans(next(moves)), seed=seed, max_turns=len(path) - 1)
+    traj = run_episode(make_env("frozenlake", slippery=False), lambda h: ans(next(moves)), seed=seed,
+                       max_turns=len(path) - 1)
     assert len(traj.turns) == len(path) - 1
     assert traj.truncated and not traj.done and traj.total_reward == 0.0
     moves = iter(path)
-    traj = run_episode(make_env("frozenlake"), lambda h: ans(next(moves)), seed=seed, max_turns=len(path))
+    traj = run_episode(make_env("frozenlake", slippery=False), lambda h: ans(next(moves)), seed=seed,
+                       max_turns=len(path))
     assert traj.done and not traj.truncated and traj.total_reward == 1.0
 
 
-def test_solver_needs_non_slippery():
-    env = make_env("frozenlake", slippery=True)
-    env.reset(0)
-    with pytest.raises(ConfigError, match="slippery"):
-        shortest_actions(env)
+def test_solver_on_slippery_ice_plans_non_slippery_moves():
+    """The BFS path of a slippery level is the non-slippery one (the intended moves)."""
+    env, flat = make_env("frozenlake"), make_env("frozenlake", slippery=False)
+    for seed in range(30):
+        env.reset(seed), flat.reset(seed)
+        assert shortest_actions(env) == shortest_actions(flat)
+
+
+@pytest.mark.parametrize("text,action", [
+    ("1", "left"), ("2", "down"), ("3", "right"), ("4", "up"), ("<answer>4 (up)</answer>", "up"),
+    ("3 (Left)", "right"), ("<think>hm</think> <answer> Down </answer>", "down"), ("5", None), ("north", None),
+])  # fmt: skip
+def test_ragen_answers(text, action):
+    """RAGEN's FrozenLake extract_action: 1 left, 2 down, 3 right, 4 up; the digit decides."""
+    assert make_env("frozenlake").parse_answer(text) == action
 
 
 def test_parse_map_errors():

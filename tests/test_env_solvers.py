@@ -16,7 +16,7 @@ def test_bfs_on_a_small_graph():
 @pytest.mark.parametrize("name", ["frozenlake", "sokoban"])
 def test_sft_pairs_follow_optimal_paths(name):
     pairs = sft_pairs(name, n=5, seed=100)
-    env = make_env(name)
+    env = make_env(name, **({"slippery": False} if name == "frozenlake" else {}))
     expected = []
     for seed in range(100, 105):
         obs = env.reset(seed)
@@ -28,8 +28,8 @@ def test_sft_pairs_follow_optimal_paths(name):
             prompts.append(history)
             return f"<answer>{next(moves)}</answer>"
 
-        traj = run_episode(make_env(name), policy, seed=seed, max_turns=len(path))
-        assert traj.success and prompts[0] == obs + "\n"
+        traj = run_episode(env, policy, seed=seed, max_turns=len(path))
+        assert traj.success and prompts[0] == obs + "\n<think>"
         expected += [{"prompt": p, "completion": f"<answer>{a}</answer>"} for p, a in zip(prompts, path)]
     assert pairs == expected
     assert all(extract_answer(p["completion"]) in env.action_words for p in pairs)
@@ -43,5 +43,11 @@ def test_sft_pairs_errors():
         sft_pairs("chess", n=2, seed=0)
     with pytest.raises(ConfigError, match="n must be an int"):
         sft_pairs("frozenlake", n=0, seed=0)
-    with pytest.raises(ConfigError, match="slippery"):
-        sft_pairs("frozenlake", n=2, seed=0, slippery=True)
+
+
+
+def test_sft_on_slippery_ice_uses_non_slippery_paths():
+    """RAGEN ran SFT on slippery ice: the records are the non-slippery paths on the same maps."""
+    assert sft_pairs("frozenlake", n=20, seed=0) == sft_pairs("frozenlake", n=20, seed=0, slippery=False)
+    strict = sft_pairs("frozenlake", n=2, seed=0, strict=True)
+    assert not strict[0]["prompt"].endswith("<think>") and strict[0]["completion"].startswith("<answer>")
