@@ -65,8 +65,9 @@ class Spy(ExtGRPOTrainer):
         return loss
 
     def _generate_and_score_completions(self, inputs):
+        prompts = [x["prompt"] for x in inputs]
         batch = super()._generate_and_score_completions(inputs)
-        self.generations.append((self.state.global_step, {k: v for k, v in batch.items()}))
+        self.generations.append((self.state.global_step, {**batch, "prompt_texts": prompts}))
         return batch
 
     def compute_loss(self, model, inputs, **kw):
@@ -74,19 +75,19 @@ class Spy(ExtGRPOTrainer):
         return super().compute_loss(model, inputs, **kw)
 
 
-def make_trainer(tiny, tmp_path, detector=odd_words, callbacks=(), **overrides):
+def make_trainer(tiny, tmp_path, detector=odd_words, callbacks=(), base_reward=None, **overrides):
     path, tok, train, test = tiny
     args = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                 steps_per_generation=2, max_steps=4, learning_rate=1e-2, beta=0.0, logging_steps=2,
                 save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=SEED,
                 gradient_routing=True, routing_mode="shared", lora_config="r2", eval_routing_steps=0)
-    args.update(overrides)
+    args.update(overrides, **({"base_reward": base_reward[0]} if base_reward else {}))
     cfg = ExtGRPOConfig(**args)
     model, layout = build_dual_lora_model(path, cfg, alpha=4.0)
     return Spy(model=model, reward_funcs=[as_trl_reward("n_chars", n_chars)], args=cfg, train_dataset=train,
                processing_class=tok, rh_detector=None if detector is None else ("odd", detector),
                dual_lora_layout=layout, routing_eval_prompts=test, routing_eval_rewards={"n_chars": n_chars},
-               callbacks=list(callbacks))
+               base_reward=base_reward, callbacks=list(callbacks))
 
 
 @pytest.mark.parametrize("two_pass", [False, True])
@@ -130,6 +131,43 @@ def test_is_rh_and_labels_survive_shuffle_and_split(tiny, tmp_path):
         neg = 8 - h["routing/n_detected"]
         assert h["routing/n_false_positive"] == float(int(0.25 * neg + 0.5))
         assert h["routing/n_bad"] == float(int(0.5 * h["routing/n_flagged"] + 0.5))
+
+
+def n_words(texts):  # the base reward (no "hack"): differs from n_chars, so a swap shows in the advantages
+    return [float(len(t.split())) for t in texts]
+
+
+@pytest.mark.parametrize("overrides, arm", [
+    ({"gradient_routing": False, "routing_mode": None, "reward_penalty_baseline": True,
+      "reward_penalty_amount": 3.0, "rh_eligible_frac": 0.5}, "reward_penalty"),
+    ({"gradient_routing": False, "routing_mode": None, "filter_baseline": True, "rh_eligible_frac": 0.5}, "filter"),
+    ({"gradient_routing": False, "routing_mode": None, "retain_penalty_baseline": True}, "retain_penalty"),
+    ({"hack_frac": 0.5}, "retain-only"),
+    ({"hack_frac": 0.5, "renormalization_mode": "off"}, "off"),
+])  # fmt: skip
+def test_base_reward_labels_and_advantages_in_the_trainer(tiny, tmp_path, overrides, arm):
+    """Each generation: the reward is the base reward where the hack does not pay (ineligible completion or
+    unhackable prompt), ineligible completions are never flagged, and the advantages are the arm's."""
+    from trl_ext.routing_advantages import prompt_hackable, routed_advantages
+    from trl_ext.routing_step import rh_eligible_mask
+
+    trainer = make_trainer(tiny, tmp_path, base_reward=("n_words", n_words), **overrides)
+    trainer.train()
+    cfg = trainer.args
+    for step, batch in trainer.generations:
+        texts, n = trainer.decode_completions(batch), 8
+        eligible = rh_eligible_mask(n, cfg.rh_eligible_frac, SEED, step, 0)
+        hackable = torch.tensor([prompt_hackable(p, cfg.hack_frac, SEED) for p in batch["prompt_texts"]])
+        pays = eligible & hackable
+        rewards = torch.where(pays, torch.tensor(n_chars(texts)), torch.tensor(n_words(texts)))
+        expected_bad, _ = routing_labels(odd_words(texts), eligible, 1.0, 0.0, seed=SEED, step=step, process=0)
+        assert torch.equal(batch["is_bad"], expected_bad) and not (batch["is_bad"] & ~eligible).any()
+        adv = routed_advantages(arm, rewards, expected_bad, 4, base_rewards=torch.tensor(n_words(texts)),
+                                penalty_amount=cfg.reward_penalty_amount)
+        torch.testing.assert_close(batch["advantages"], adv, rtol=1e-5, atol=1e-5)
+    if cfg.hack_frac < 1:  # both kinds of prompt occurred, so the swap was exercised
+        pays = [prompt_hackable(p, 0.5, SEED) for _, b in trainer.generations for p in b["prompt_texts"]]
+        assert any(pays) and not all(pays)
 
 
 @pytest.mark.parametrize("mode, flag_all, zero_side", [("shared", True, "retain"), ("exclusive", False, "forget")])
