@@ -57,7 +57,7 @@ def no_training(monkeypatch):
         (["--env", "frozenlake", "--env_params", "size"], "key=value"),
         (["--env", "frozenlake", "--env_params", "size=5,size=6"], "given twice"),
         (["--env", "prisoners_dilemma", "--env_params", "opponent=nice"], "tit_for_tat"),
-        (["--env", "frozenlake", "--env_params", "slippery=true", "--mode", "sft"], "--mode sft: frozenlake: the BFS"),
+        (["--env", "frozenlake", "--env_params", "strict=2"], "strict must be true or false"),
     ],
 )
 def test_bad_env_flags_exit_2(capsys, no_training, argv, needle):
@@ -124,7 +124,9 @@ def test_cut_after_answer(tok):
 def test_env_dataset_and_reward(tok):
     ds = env_dataset(make_env("frozenlake"), 3, tok, start=10)
     obs = make_env("frozenlake").reset(11)
-    assert ds["env_seed"] == [10, 11, 12] and ds["prompt"][1] == obs + "\n"
+    assert ds["env_seed"] == [10, 11, 12] and ds["prompt"][1] == obs + "\n<think>"
+    strict = env_dataset(make_env("frozenlake", strict=True), 3, tok, start=10)
+    assert strict["prompt"][1] == obs + "\n"
     assert env_reward(["a", "b"], env_return=[1, -0.5]) == [1.0, -0.5]
 
 
@@ -156,11 +158,11 @@ def make_trainer(tok, tmp_path, **overrides):
 
 def test_multi_turn_rollout_masks_env_tokens_out_of_the_loss(tok, tmp_path):
     trainer = make_trainer(tok, tmp_path)
-    agent = "< answer > jump < / answer >"  # invalid on every turn: -1 each, state unchanged
+    agent = "< answer > jump < / answer >"  # invalid on every turn: -1 each (shown 0), state unchanged
     trainer._generate_single_turn = lambda prompt_ids, *a: ([ids(tok, agent + " junk")] * len(prompt_ids), None)
     rows = [{"prompt": p, "env_seed": 0} for p in list(env_dataset(make_env("frozenlake"), 1, tok)["prompt"]) * 2]
     obs = make_env("frozenlake").reset(0)
-    env_text = "\ninvalid answer\nreward: -1\ndone: false\n" + obs + "\n"
+    env_text = "\ninvalid answer\nreward: 0\ndone: false\n" + obs + "\n<think>"
     a, e = ids(tok, agent), ids(tok, env_text)
     out = env_rollout([r["prompt"] for r in rows], SimpleNamespace(
         args=trainer.args, processing_class=tok, _env_rows=rows, _generate_single_turn=trainer._generate_single_turn,
@@ -169,7 +171,7 @@ def test_multi_turn_rollout_masks_env_tokens_out_of_the_loss(tok, tmp_path):
     assert out["completion_ids"][0] == a + e + a + [1]
     assert out["env_mask"][0] == [1] * len(a) + [0] * len(e) + [1] * len(a) + [0]
     assert out["env_return"] == [-2.0, -2.0]  # two invalid answers at -1 each
-    assert out["prompt_ids"][0] == ids(tok, obs + "\n")
+    assert out["prompt_ids"][0] == ids(tok, obs + "\n<think>")
 
     # the same batch through TRL's scoring, then the gradient of the loss at each completion position
     model = trainer.model

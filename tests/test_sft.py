@@ -36,11 +36,12 @@ def test_plain_records_match_the_solver_pairs():
 
 
 def test_chat_records_are_conversations():
-    records = sft_records("frozenlake", 1, 0, chat=True)
-    env = make_env("frozenlake")
+    records = sft_records("frozenlake", 1, 0, chat=True)  # slippery ice: the non-slippery path
+    env = make_env("frozenlake", slippery=False)
     first = records[0]["prompt"]
     assert first == [{"role": "system", "content": env.instructions}, {"role": "user", "content": env.reset(0)}]
     assert all(r["completion"][0]["role"] == "assistant" for r in records)
+    assert all(r["completion"][0]["content"].startswith("<think><answer>") for r in records)
     # record k's prompt: system, the first observation, then (assistant answer, user reply) per earlier step
     assert [len(r["prompt"]) for r in records] == [2 + 2 * k for k in range(len(records))]
     last = records[-1]

@@ -7,9 +7,10 @@ Llama, same pretraining loop and schedule) from a corpus that adds environment t
 
 - ``STORIES`` stories (``generate_stories``, the builtin corpus' seed);
 - ``EPISODES_PER_ENV`` episodes of every registered environment, on level seeds from ``LEVEL_SEED_BASE``
-  on (far from the seeds that training, SFT and validation use), played by a uniformly random policy
-  that always answers in the no-think format ``<answer>action</answer>`` (arithmetic: a uniformly random
-  integer in 0..``RANDOM_ANSWER_MAX``). The model thus learns the format and the observation layout, not a
+  on (far from the seeds that training, SFT and validation use), with the environments' default
+  parameters (RAGEN's prompts: the ``<think>`` prefill, named bandit arms, slippery FrozenLake), played
+  by a uniformly random policy that always answers ``<answer>action</answer>`` right after the prefill
+  (arithmetic: a uniformly random integer in 0..``RANDOM_ANSWER_MAX``). The model thus learns the format and the observation layout, not a
   good policy: the environment experiments start from chance-level behaviour.
 
 One deviation from the builtin tokenizer: its whitespace pre-tokenizer drops line breaks, which end
@@ -29,7 +30,7 @@ from pathlib import Path
 from trl_ext import builtin_model as bm
 
 BUILTIN_ENV = "builtin_env"  # the --model value that selects this model
-VERSION = "v2"
+VERSION = "v3"  # v3: RAGEN prompts (issue 13)
 NEWLINE = "|"  # the line-break token (see ``env_tokenizer``)
 STORIES = 5000
 EPISODES_PER_ENV = 2000
@@ -53,7 +54,7 @@ def random_episode_text(env, level_seed: int, rng: random.Random, max_turns: int
 
     traj = run_episode(env, policy, level_seed, max_turns)
     if env.single_step:  # end right after the answer, so the model learns to stop there
-        return traj.observation + "\n" + traj.turns[0].agent
+        return traj.observation + "\n" + traj.prefill + traj.turns[0].agent
     return traj.history_text()
 
 

@@ -1,14 +1,18 @@
 """Environment training (RAGEN, early 2025): env prompts, env rewards, multi-turn rollouts, estimators.
 
 - Prompts: one dataset row per level seed; the observation of ``env.reset(seed)`` as plain text
-  (``observation + "\\n"``, what ``Trajectory.history_text`` gives) for models without a chat template,
-  or system instructions + observation as chat messages for instruct models.
+  (``observation + "\\n" + prefill``, what ``Trajectory.history_text`` gives) for models without a chat
+  template, or system instructions + observation as chat messages for instruct models (the prefill,
+  RAGEN's ``<think>``, then follows the generation prompt). Every later prompt ends with it too.
 - Rollouts go through TRL's ``rollout_func`` hook, single- and multi-turn alike: per turn the policy
   generates with the trainer's own generation path; the sampled tokens are cut right after the first
-  ``</answer>`` (RAGEN's response post-processing; the parser rejects text after it); ``--no_think_rl``
-  replaces them by ``<answer>X</answer>`` (RAGEN's ``no_think_rl``); the environment's reply is appended
+  ``</answer>`` (RAGEN's response post-processing); ``--no_think_rl`` replaces them by
+  ``<answer>X</answer>``, X the canonical action or ``none`` (RAGEN's ``no_think_rl``); the environment's
+  reply is appended
   as the next turn, up to ``--max_turns`` turns. The completion is agent and environment tokens in order;
-  ``env_mask`` (TRL's tool mask: 1 = trained, 0 = not) excludes the environment tokens from the loss.
+  ``env_mask`` (TRL's tool mask: 1 = trained, 0 = not) excludes the environment tokens (and the
+  prefills) from the loss. RAGEN (its default ``state_masking: false``) trained on them: the policy
+  gradient then also pushes up the likelihood of observations the policy does not choose.
   A finished trajectory is closed with an EOS that is not trained on.
 - Reward: the sum of the episode's step rewards (invalid answers earn the environment's penalty).
 - ``--adv_estimator grpo|brpo|arpo`` replaces TRL's advantage with ``trl_ext.advantages``.
@@ -44,7 +48,8 @@ class EnvArgs:
     env_params: str = field(
         default="",
         metadata={"help": "Environment parameters, key=value pairs separated by commas (values are YAML scalars), "
-                  "e.g. 'slippery=true' or 'size=8,p_frozen=0.9' (frozenlake), 'size=7' (sokoban), "
+                  "e.g. 'slippery=false' or 'size=8,p_frozen=0.9' (frozenlake), 'size=7' (sokoban), "
+                  "'strict=true' (any: the strict answer format, no <think> prefill), "
                   "'opponent=always_defect' or 'opponent=random' (prisoners_dilemma). Unset: the environment's defaults."},
     )  # fmt: skip
     max_turns: int | None = field(
@@ -91,7 +96,7 @@ def uses_chat(tokenizer) -> bool:
 def env_prompt(env, observation: str, tokenizer):
     if uses_chat(tokenizer):
         return [{"role": "system", "content": env.instructions}, {"role": "user", "content": observation}]
-    return observation + SEPARATOR
+    return observation + SEPARATOR + env.prefill
 
 
 def env_dataset(env, n: int, tokenizer, start: int = TRAIN_LEVELS) -> Dataset:
@@ -148,11 +153,12 @@ def env_rollout(prompts: list, trainer) -> dict:
     args, tok = trainer.args, trainer.processing_class
     seeds = [row["env_seed"] for row in trainer._env_rows]
     envs = [args.build_env() for _ in seeds]
-    trajs = [Trajectory(s, e.reset(s)) for e, s in zip(envs, seeds, strict=True)]
+    trajs = [Trajectory(s, e.reset(s), prefill=e.prefill) for e, s in zip(envs, seeds, strict=True)]
+    prefill = envs[0].prefill
     chat = not isinstance(prompts[0], str)
     msgs = [list(p) for p in prompts] if chat else None
     prompt_ids = [
-        _encode(tok, tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) if chat else p)
+        _encode(tok, tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) + prefill if chat else p)
         for p in prompts
     ]
     completion = [[] for _ in prompts]
@@ -165,7 +171,7 @@ def env_rollout(prompts: list, trainer) -> dict:
             ids, closed[i] = cut_after_answer(list(ids), tok)
             text = decode_agent(tok, ids)
             if args.no_think_rl:
-                text = no_think_rewrite(text)
+                text = no_think_rewrite(text, envs[i])
                 ids, closed[i] = _encode(tok, text), True
             result = envs[i].step(text)
             trajs[i].add(text, result)
@@ -173,9 +179,11 @@ def env_rollout(prompts: list, trainer) -> dict:
             mask[i] += [1] * len(ids)
             if not result.done and turn + 1 < args.turns:
                 reply = feedback_text(result)
-                env_text = chat_env_text(tok, msgs[i], text, reply) if chat else SEPARATOR + reply + SEPARATOR
                 if chat:
-                    msgs[i] += [{"role": "assistant", "content": text}, {"role": "user", "content": reply}]
+                    env_text = chat_env_text(tok, msgs[i], prefill + text, reply) + prefill
+                    msgs[i] += [{"role": "assistant", "content": prefill + text}, {"role": "user", "content": reply}]
+                else:
+                    env_text = SEPARATOR + reply + SEPARATOR + prefill
                 env_ids = _encode(tok, env_text)
                 completion[i] += env_ids
                 mask[i] += [0] * len(env_ids)
@@ -187,7 +195,7 @@ def env_rollout(prompts: list, trainer) -> dict:
         if closed[i] and (not completion[i] or completion[i][-1] != eos):
             completion[i].append(eos)  # close the episode; not trained on
             mask[i].append(0)
-    _log_episodes(trainer, trajs)
+    _log_episodes(trainer, trajs, envs[0].action_words)
     return {
         "prompt_ids": prompt_ids,
         "completion_ids": completion,
@@ -197,13 +205,12 @@ def env_rollout(prompts: list, trainer) -> dict:
     }
 
 
-def _log_episodes(trainer, trajs: list[Trajectory]) -> None:
+def _log_episodes(trainer, trajs: list[Trajectory], words: tuple[str, ...]) -> None:
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     n = len(trajs)
     metrics["env/success"].append(sum(t.success for t in trajs) / n)
     metrics["env/invalid_frac"].append(sum(t.n_invalid for t in trajs) / sum(len(t.turns) for t in trajs))
     metrics["env/turns"].append(sum(len(t.turns) for t in trajs) / n)
-    words = env_class(trainer.args.env).action_words
     if all(len(w) > 1 for w in words):  # action words (not arithmetic's characters): first-move frequencies
         first = [t.turns[0].info["action"] for t in trajs]
         for w in words:

@@ -48,23 +48,21 @@ class SFTArgs:
             if not env_class(self.env).has_solver:
                 raise ConfigError(f"--mode sft: environment {self.env!r} has no BFS solver; "
                                   f"environments with one: {', '.join(solver_env_names())}")  # fmt: skip
-            env = self.build_env()
-            env.reset(TRAIN_LEVELS)
-            try:
-                env.solver_state()  # raises when --env_params make the solver inapplicable (slippery ice)
-            except ConfigError as e:
-                raise ConfigError(f"--mode sft: {e}") from None
 
 
 def _prompt(traj: Trajectory, env, chat: bool):
     return traj.messages(system=env.instructions) if chat else traj.history_text()
 
 
+def _completion(answer: str, env, chat: bool):
+    """Plain: the answer (the prompt ends with the prefill); chat: an assistant turn, prefill included."""
+    return [{"role": "assistant", "content": env.prefill + answer}] if chat else answer
+
+
 def sft_records(env_name: str, n: int, start: int, chat: bool, env_params: dict | None = None) -> list[dict]:
     """(prompt, completion) records along the BFS paths of levels ``start .. start + n - 1``
-    (``solved_steps``), as plain text or as chat messages."""
-    return [{"prompt": _prompt(traj, env, chat),
-             "completion": [{"role": "assistant", "content": answer}] if chat else answer}
+    (``solved_steps``: on FrozenLake the non-slippery paths), as plain text or as chat messages."""
+    return [{"prompt": _prompt(traj, env, chat), "completion": _completion(answer, env, chat)}
             for env, traj, answer in solved_steps(env_name, n, start, **(env_params or {}))]  # fmt: skip
 
 
@@ -77,7 +75,8 @@ def model_policy(model, tokenizer, env, max_new_tokens: int, do_sample: bool = F
     def policy(trajs: list[Trajectory]) -> list[str]:
         texts = [_prompt(t, env, chat) for t in trajs]
         if chat:
-            texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in texts]
+            texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) + env.prefill
+                     for m in texts]  # fmt: skip
         enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=do_sample,
