@@ -252,3 +252,36 @@ def test_grid_on_builtin_with_one_failure(builtin_path, tmp_path):
     rows = json.loads((sweep_dir / "summary.json").read_text())
     assert [r["launched"] for r in rows] == [r["status"] == "FAILED" for r in rows]
     assert sorted(r["status"] for r in rows) == ["FAILED", "done", "done", "done"]
+
+
+def test_routing_grid_gets_baseline_arms(capsys, tmp_path):
+    """A sweep file's ``baselines`` adds each arm once next to the routed runs (shared and exclusive share theirs):
+    the arms keep the labels (eligibility, base reward); the plain arm drops them."""
+    sweep = tmp_path / "arms.yaml"
+    sweep.write_text(textwrap.dedent(f"""
+        reward: sentence_length_5_with_happy
+        grid: {{routing_mode: [shared, exclusive]}}
+        fixed: {{lora_config: r8, rh_eligible_frac: 0.5, base_reward: sentence_length_5, output_dir: {tmp_path}}}
+        train_flags: [gradient_routing]
+        baselines: {{filter: null, reward_penalty: {{reward_penalty_amount: 3}}, plain: null}}
+    """))
+    rc, dirs = _dry(capsys, "--config", str(sweep))
+    names = [Path(d).name for d in dirs]
+    assert rc == 0 and len(names) == 5, names
+    core = "sentence_length_5_with_happy_builtin_lr1e-5_b0.02_bs32_ng16_dual_r8f8_st2000_s42"
+    labels = "_base_rewardsentence-length-5"
+    assert names == [
+        f"{core}{labels}_gradient_routingtrue_rh_eligible_frac0.5_routing_modeshared",
+        f"{core}{labels}_gradient_routingtrue_rh_eligible_frac0.5_routing_modeexclusive",
+        f"{core}{labels}_filter_baselinetrue_rh_eligible_frac0.5",
+        f"{core}{labels}_reward_penalty_amount3_reward_penalty_baselinetrue_rh_eligible_frac0.5",
+        core,
+    ]
+    sweep.write_text(sweep.read_text().replace("plain: null", "nope: null"))
+    assert sw.main(["--config", str(sweep), "--dry_run"]) == 2
+    assert "unknown baseline arm 'nope'" in capsys.readouterr().err
+    sweep.write_text(sweep.read_text().replace("train_flags: [gradient_routing]", "").replace(", nope: null", "")
+                     .replace("grid: {routing_mode: [shared, exclusive]}", "grid: {seed: [1]}")
+                     .replace("rh_eligible_frac: 0.5, base_reward: sentence_length_5, ", ""))
+    assert sw.main(["--config", str(sweep), "--dry_run"]) == 2
+    assert "no run of the grid uses --gradient_routing" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import io
 import itertools
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,14 @@ import yaml
 
 from trl_ext.registry import ConfigError
 
-FILE_KEYS = ("description", "needs", "reward", "grid", "fixed", "train_flags")
+FILE_KEYS = ("description", "needs", "reward", "grid", "fixed", "train_flags", "baselines")
+# Baseline arms a routing grid can add next to each routed run (small-rl sweep.py generate_baseline_runs, HEAD
+# 6f6e986): the same run without routing, plus the arm's flag. "plain" (small-rl's regular baseline) also drops
+# the labels; "filter", "reward_penalty" and "retain_penalty" keep them (same eligibility, recall, false
+# positives and base reward as the routed run).
+BASELINE_ARMS = ("plain", "filter", "reward_penalty", "retain_penalty")
+ROUTING_ONLY = ("gradient_routing", "routing_mode", "routing_two_pass", "renormalization_mode")
+LABEL_ONLY = ("rh_eligible_frac", "rh_detector_recall", "false_positive_rate")
 
 
 @dataclass
@@ -29,6 +37,7 @@ class SweepSpec:
     grids: list[dict[str, list[str]]]  # runs = union of the Cartesian products of these grids
     fixed: dict[str, str]
     train_flags: list[str]
+    baselines: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # arm -> its extra flags
 
     @property
     def keys(self) -> list[str]:
@@ -103,6 +112,7 @@ def load_sweep_file(path: str | Path) -> SweepSpec:
         grid: {flag: [v, ...]}      # or a list of such grids: the union of their products (linked values)
         fixed: {flag: value}
         train_flags: [flag, ...]    # bare booleans
+        baselines: [arm, ...]       # or {arm: {flag: value}}: baseline arms next to every routed run
     """
     path = Path(path)
     if not path.is_file():
@@ -127,12 +137,31 @@ def load_sweep_file(path: str | Path) -> SweepSpec:
     if not isinstance(fixed, dict):
         raise ConfigError(f"{path}: 'fixed' must be a mapping, got {fixed!r}")
     fixed = {**({"reward": data["reward"]} if data.get("reward") is not None else {}), **fixed}
-    spec = SweepSpec(grids, {}, [flag_dest(f) for f in data.get("train_flags") or []])
+    spec = SweepSpec(grids, {}, [flag_dest(f) for f in data.get("train_flags") or []],
+                     parse_baselines(f"{path}: baselines", data.get("baselines")))
     for k, v in fixed.items():
         if flag_dest(k) in spec.fixed or any(flag_dest(k) in g for g in grids):
             raise ConfigError(f"{path}: {k!r} is set twice")
         spec.fixed[flag_dest(k)] = _scalar(f"{path}: fixed {k!r}", v)
     return spec
+
+
+def parse_baselines(where: str, arms) -> dict[str, dict[str, str]]:
+    """``[arm, ...]`` or ``{arm: {flag: value} | None}`` -> arm -> extra flags (e.g. reward_penalty_amount)."""
+    if arms is None:
+        return {}
+    if isinstance(arms, list):
+        arms = {a: None for a in arms}
+    if not isinstance(arms, dict):
+        raise ConfigError(f"{where} must be a list of arms or a mapping arm -> flags, got {arms!r}")
+    out = {}
+    for arm, extra in arms.items():
+        if arm not in BASELINE_ARMS:
+            raise ConfigError(f"{where}: unknown baseline arm {arm!r}; arms: {', '.join(BASELINE_ARMS)}")
+        if extra is not None and not isinstance(extra, dict):
+            raise ConfigError(f"{where} {arm!r}: flags must be a mapping, got {extra!r}")
+        out[arm] = {flag_dest(k): _scalar(f"{where} {arm!r} {k!r}", v) for k, v in (extra or {}).items()}
+    return out
 
 
 def build_spec(args) -> SweepSpec:
@@ -174,25 +203,51 @@ def _build_plan_quietly(argv: list[str]):
         raise ConfigError(lines[-1].split("error:", 1)[1].strip() if lines else "train.py rejected the flags") from None
 
 
+def _argv(fixed: dict[str, str], values: dict[str, str], flags: list[str]) -> list[str]:
+    fixed_items = sorted(fixed.items(), key=lambda kv: kv[0] != "reward")  # reward first, then as given
+    grid_items = [(k, v) for k, v in values.items() if k != "baseline"]  # the arm's label, not a flag
+    return [a for k, v in [*fixed_items, *grid_items] for a in (f"--{k}", v)] + [f"--{f}" for f in flags]
+
+
+def _baseline(arm: str, extra: dict[str, str], spec: SweepSpec, values: dict[str, str]):
+    """(fixed, values, flags) of ``arm`` next to the routed run with grid ``values``."""
+    drop = set(ROUTING_ONLY) | (set(LABEL_ONLY) if arm == "plain" else set())
+    fixed = {k: v for k, v in spec.fixed.items() if k not in drop}
+    vals = {k: v for k, v in values.items() if k not in drop}
+    if arm == "plain" and "base_reward" in {**fixed, **vals} and "hack_frac" not in {**fixed, **vals}:
+        fixed.pop("base_reward", None)  # only the eligibility needed it
+        vals.pop("base_reward", None)
+    flags = [f for f in spec.train_flags if f not in drop]
+    if arm != "plain":
+        flags.append(f"{arm}_baseline")
+    return {**fixed, **extra}, {"baseline": arm, **vals}, flags
+
+
 def plan_runs(spec: SweepSpec) -> list[PlannedRun]:
-    """One validated run per grid combination (raises ConfigError naming the run and the problem)."""
-    fixed = sorted(spec.fixed.items(), key=lambda kv: kv[0] != "reward")  # reward first, then as given
-    base = [a for k, v in fixed for a in (f"--{k}", v)]
-    flags = [f"--{f}" for f in spec.train_flags]
+    """One validated run per grid combination (raises ConfigError naming the run and the problem), then the
+    ``spec.baselines`` arms of every routed run (identical arms, e.g. of routing_mode shared and exclusive,
+    planned once)."""
     runs, seen = [], {}
     combos = [dict(zip(g, c)) for g in spec.grids for c in itertools.product(*g.values())]
-    for i, values in enumerate(combos):
-        argv = base + [a for k, v in values.items() for a in (f"--{k}", v)] + flags
+    jobs = [(spec.fixed, values, spec.train_flags, None) for values in combos]
+    while jobs:
+        fixed, values, flags, arm = jobs.pop(0)
+        label = " ".join(f"{k}={v}" for k, v in values.items()) or "single run"
         try:
-            plan = _build_plan_quietly(argv)
+            plan = _build_plan_quietly(argv := _argv(fixed, values, flags))
         except ValueError as e:
-            label = " ".join(f"{k}={v}" for k, v in values.items())
-            raise ConfigError(f"run {i + 1} ({label or 'single run'}): {e}") from None
-        run = PlannedRun(i, values, argv, plan.run_dir)
+            raise ConfigError(f"run {len(runs) + 1} ({label}): {e}") from None
+        run = PlannedRun(len(runs), values, argv, plan.run_dir)
         if run.run_dir in seen:
+            if arm is not None and seen[run.run_dir].values.get("baseline") == arm:
+                continue  # the same arm of another routed run
             raise ConfigError(f"runs '{seen[run.run_dir].label}' and '{run.label}' map to one directory {run.run_dir}")
         seen[run.run_dir] = run
         runs.append(run)
+        if arm is None and spec.baselines and plan.cfg.gradient_routing:
+            jobs.extend((*_baseline(a, extra, spec, values), a) for a, extra in spec.baselines.items())
+    if spec.baselines and not any(r.values.get("baseline") for r in runs):
+        raise ConfigError("baseline arms were asked for, but no run of the grid uses --gradient_routing")
     return runs
 
 
