@@ -230,7 +230,7 @@ class _Stub(DistillMixin, _Scored):
         self.num_generations = 2
         self._metrics = {"train": defaultdict(list, frac_reward_zero_std=[0.0])}
 
-    def score_teacher(self, batch):
+    def score_teacher(self, batch, prompts=None):
         return self._lp_teacher
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
@@ -275,8 +275,8 @@ def test_distill_on_k1_builds_advantages_from_the_generators_logprobs(tmp_path, 
             seen.append({"lp": lp, "batch": batch, "current": current, "step": self.state.global_step})
             return lp
 
-        def score_teacher(self, batch):
-            self._teacher = super().score_teacher(batch)
+        def score_teacher(self, batch, prompts=None):
+            self._teacher = super().score_teacher(batch, prompts)
             return self._teacher
 
         def _generate_and_score_completions(self, inputs):

@@ -16,7 +16,11 @@ Advantages are NOT divided by the group std (unlike GRPO, Shao et al. 2024): the
 scale of the distillation signal, as in prime-rl. ``lp_student`` is the log-prob under the policy that
 sampled the completion (behaviour / sampling log-probs); ``lp_trainer`` the current policy's in the loss.
 Groups are consecutive rows of ``group_size`` (TRL's layout). All log-prob tensors are ``[B, C]`` aligned
-to the completion mask; every tensor function ignores values where the mask is 0.
+to the completion mask; every tensor function ignores values where the mask is 0. In multi-turn environment
+episodes that mask is the agent's tokens: the teacher reads the environment's tokens but does not score them.
+
+Where the context goes: plain-text prompts get it prepended (:func:`build_teacher_inputs`); chat prompts get it
+as the system message (:func:`teacher_messages`, as the fork does), rendered by the chat template.
 """
 
 from __future__ import annotations
@@ -122,13 +126,55 @@ def build_teacher_inputs(
             rows.append(torch.cat([real[:1], context, real[1:]]))
         else:
             rows.append(torch.cat([context, real]))
-    if min(row.numel() for row in rows) == 0:
+    return teacher_batch(rows, completion_ids, completion_mask, pad_id)
+
+
+def teacher_batch(
+    prompt_rows: list[Tensor], completion_ids: Tensor, completion_mask: Tensor, pad_id: int
+) -> tuple[Tensor, Tensor, int]:
+    """``(input_ids, attention_mask, logits_to_keep)``: the teacher's unpadded prompt rows left-padded to a common
+    width, then the (right-padded) completion block unchanged, so ``logits_to_keep = C``."""
+    if len(prompt_rows) != completion_ids.size(0) or completion_ids.shape != completion_mask.shape:
+        raise ValueError(f"{len(prompt_rows)} teacher prompts for completions {tuple(completion_ids.shape)} with mask "
+                         f"{tuple(completion_mask.shape)}")  # fmt: skip
+    if min(row.numel() for row in prompt_rows) == 0:
         raise ValueError("a row has neither context nor prompt tokens: its first completion token has no logit")
+    rows = [row.to(completion_ids.device, completion_ids.dtype) for row in prompt_rows]
     teacher_ids = pad(rows, padding_value=pad_id, padding_side="left")
-    teacher_mask = pad([torch.ones_like(row, dtype=prompt_mask.dtype) for row in rows], 0, "left")
+    teacher_mask = pad([torch.ones_like(row) for row in rows], 0, "left")
     input_ids = torch.cat([teacher_ids, completion_ids], dim=1)
     attention_mask = torch.cat([teacher_mask, completion_mask.to(teacher_mask.dtype)], dim=1)
     return input_ids, attention_mask, completion_ids.size(1)
+
+
+def teacher_messages(messages: list[dict], context: str) -> list[dict]:
+    """The teacher's chat prompt: the student's ``messages`` with ``context`` as the system message.
+
+    As the reference fork ('contextual_learning' at bcf0a7b, ``orchestrator/orchestrator.py`` and
+    ``eval/utils.py``): the content of the student's first system message is replaced by the context (the
+    student's own instructions are not shown to the teacher: put what it must keep into the context); without a
+    system message, one is inserted first. Every other message is kept; ``messages`` is not modified. An empty
+    context returns the messages unchanged (standard distillation).
+    """
+    out = [dict(m) for m in messages]
+    if not context:
+        return out
+    for m in out:
+        if m.get("role") == "system":
+            m["content"] = context
+            return out
+    return [{"role": "system", "content": context}, *out]
+
+
+def chat_teacher_prompt(student_ids: list[int], student_rendered: list[int], teacher_rendered: list[int]) -> list[int]:
+    """The teacher's prompt ids for a chat prompt: its rendered messages (``teacher_messages``), then whatever the
+    student's prompt ids hold after the student's own rendered messages (an environment's ``<think>`` prefill).
+    A student prompt that does not start with its rendered messages raises ValueError: the context's place in it
+    would be a guess."""
+    if list(student_ids[: len(student_rendered)]) != list(student_rendered):
+        raise ValueError("the student's prompt ids do not start with its chat-rendered messages: cannot place the "
+                         "teacher context as the system message")  # fmt: skip
+    return list(teacher_rendered) + list(student_ids[len(student_rendered) :])
 
 
 @torch.no_grad()
@@ -139,8 +185,11 @@ def teacher_logprobs(
     logits_to_keep: int,
     temperature: float,
     batch_size: int | None = None,
+    score_mask: Tensor | None = None,
 ) -> Tensor:
-    """Per-token log-probs ``[B, C]`` of the last ``logits_to_keep`` tokens under ``model``, 0 where masked.
+    """Per-token log-probs ``[B, C]`` of the last ``logits_to_keep`` tokens under ``model``, 0 where masked:
+    outside the attention mask, and outside ``score_mask`` ``[B, C]`` when given (environment tokens, which the
+    teacher reads as context but does not score).
 
     Logits are divided by the sampling ``temperature`` (as TRL scores the student), log-softmax in float32.
     Position ids come from the attention mask, so a left-padded row scores as its unpadded sequence would.
@@ -174,7 +223,12 @@ def teacher_logprobs(
     finally:
         model.train(was_training)
     logps = torch.cat(chunks)
-    return torch.where(attention_mask[:, -logits_to_keep:].bool(), logps, 0.0)
+    scored = attention_mask[:, -logits_to_keep:].bool()
+    if score_mask is not None:
+        if score_mask.shape != scored.shape:
+            raise ValueError(f"score_mask {tuple(score_mask.shape)} does not match the completion {tuple(scored.shape)}")
+        scored = scored & score_mask.bool()
+    return torch.where(scored, logps, 0.0)
 
 
 # ------------------------------------------------------------------------------------- reward composition

@@ -6,7 +6,8 @@ One step with distillation on (``--teacher_tau > 0``, ``--student_tau > 0`` or `
 1. `_calculate_rewards`: the task reward as TRL computes it, kept for the composition; with
    ``--skip_verification`` no reward function is called (zeros go to TRL's bookkeeping only).
 2. `_generate_and_score_completions` (the whole generation batch, groups intact): the teacher scores the
-   sampled completions on ``context + prompt``; the student's sampling log-probs are the behaviour log-probs
+   agent tokens of the sampled completions (environment tokens are read, not scored) on ``context + prompt``
+   (plain text) or on the chat prompt with the context as its system message (chat prompts, `teacher_messages`); the student's sampling log-probs are the behaviour log-probs
    of the batch when it has them (off-policy rollouts, vLLM), else TRL's ``old_per_token_logps``, else one
    no-grad forward of the policy (same temperature). ``distill_advantages`` replaces TRL's advantages (no std
    scaling). Token path: ``distill_lp_teacher`` [B, C] and ``distill_gate`` [B] join the batch dict, so TRL's
@@ -35,10 +36,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from trl.data_utils import is_conversational
 from trl.trainer.utils import pad
 
 from trl_ext.distill import DistillConfig, build_teacher_inputs, distill_advantages, distill_metrics, encode_context
-from trl_ext.distill import teacher_logprobs, token_kl_bonus
+from trl_ext.distill import chat_teacher_prompt, teacher_batch, teacher_logprobs, teacher_messages, token_kl_bonus
 from trl_ext.registry import ConfigError
 
 OFFPOLICY_ADV_TAU = 1.0
@@ -200,13 +202,33 @@ class DistillMixin:
                                             self._tokenizer.pad_token_id, self._tokenizer.bos_token_id)
         return ids, mask
 
-    def score_teacher(self, batch: dict) -> torch.Tensor:
-        """Teacher log-probs ``[B, C]`` of the batch's completion tokens on ``context + prompt``."""
-        ids, mask, keep = build_teacher_inputs(
-            self._distill_context_ids, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-            batch["completion_mask"], self._tokenizer.pad_token_id, self._tokenizer.bos_token_id)
+    def score_teacher(self, batch: dict, prompts: list | None = None) -> torch.Tensor:
+        """Teacher log-probs ``[B, C]`` of the batch's agent tokens (0 on environment tokens and padding).
+
+        The teacher's prompt: for chat ``prompts`` (message lists), the messages with the context as their system
+        message (`teacher_messages`) rendered by the chat template, then what followed the student's rendered
+        messages in its prompt ids (`chat_teacher_prompt`); otherwise ``context + prompt`` ids."""
+        chat = bool(self.args.teacher_context and prompts) and is_conversational({"prompt": prompts[0]})
+        if chat:
+            tok, context = self.processing_class, self.args.teacher_context
+
+            def render(messages):
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                return tok(text, add_special_tokens=False)["input_ids"]
+
+            rows = []
+            for ids, m, p in zip(batch["prompt_ids"], batch["prompt_mask"], prompts, strict=True):
+                teacher = chat_teacher_prompt(ids[m.bool()].tolist(), render(p), render(teacher_messages(p, context)))
+                rows.append(torch.tensor(teacher))
+            ids, mask, keep = teacher_batch(rows, batch["completion_ids"], batch["completion_mask"],
+                                            self._tokenizer.pad_token_id)  # fmt: skip
+        else:
+            ids, mask, keep = build_teacher_inputs(
+                self._distill_context_ids, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                batch["completion_mask"], self._tokenizer.pad_token_id, self._tokenizer.bos_token_id)
         with self.teacher_scope() as teacher:
-            return teacher_logprobs(teacher, ids, mask, keep, self.temperature, self.args.per_device_train_batch_size)
+            return teacher_logprobs(teacher, ids, mask, keep, self.temperature, self.args.per_device_train_batch_size,
+                                    score_mask=_loss_mask(batch))  # fmt: skip
 
     def student_sampling_logps(self, batch: dict) -> torch.Tensor:
         """Log-probs of the completions under the policy that sampled them (see the module docstring)."""
@@ -242,7 +264,8 @@ class DistillMixin:
             return batch
         mode = "train" if self.model.training else "eval"
         mask = _loss_mask(batch)
-        lp_teacher = self.score_teacher(batch) if cfg.teacher_tau > 0 else None
+        prompts = [row["prompt"] for row in inputs]
+        lp_teacher = self.score_teacher(batch, prompts) if cfg.teacher_tau > 0 else None
         lp_student = self.student_sampling_logps(batch) if cfg.has_kl else None
         group = self.num_generations if mode == "train" else self.num_generations_eval
         task, self._distill_task = self._distill_task, None
