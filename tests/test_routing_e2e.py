@@ -52,10 +52,10 @@ def test_train_with_routing_on_builtin(builtin_path, tmp_path):
         for mode in ("both", "retain_only", "forget_only"):
             assert f"[Routing eval @ step {step}] {mode}: " in log
 
-    # The checkpoint carries its adapter layout.
+    # The checkpoint carries its adapter layout (preset r2: alpha = rank, as small-rl).
     ckpt = run_dir / "checkpoint-4"
     layout = json.loads((ckpt / "dual_lora_layout.json").read_text())
-    assert layout == {"retain_rank": 2, "forget_rank": 2, "alpha": 16.0, "targets": list(LLAMA_PROJECTIONS),
+    assert layout == {"retain_rank": 2, "forget_rank": 2, "alpha": 2.0, "targets": list(LLAMA_PROJECTIONS),
                       "layer_start": 0, "layer_end": 4, "layer_stride": 1, "include_lm_head": False,
                       "routing_mode": "shared"}
     state = json.loads((ckpt / "trainer_state.json").read_text())
