@@ -3,7 +3,7 @@ and the prompt of ``ragen/env/bandit/create_dataset_two_armed.py``).
 
 One step. The arms have names, by default ``phoenix`` (the low-risk arm) and ``dragon`` (the high-risk
 arm); the prompt lists them in an order shuffled per seed (``random.Random(seed).shuffle``, as RAGEN) and
-asks the model to infer each arm's risk from its name. Answers: an arm name, or RAGEN's digits ``1``
+asks the model to infer each arm's risk from its name (RAGEN's prompt, condensed: see ``PROMPT``). Answers: an arm name, or RAGEN's digits ``1``
 (always the low-risk arm) and ``2`` (the high-risk arm), whatever the shown order. Payoffs, drawn from
 the episode's stream seeded by ``reset(seed)``:
 
@@ -26,19 +26,14 @@ LOW_MEAN, STD = 0.2, 0.1
 HIGH_LOW_MEAN, HIGH_HIGH_MEAN, HIGH_JACKPOT_PROB = 0.1, 1.0, 0.25
 LOW_RISK_NAME, HIGH_RISK_NAME = "phoenix", "dragon"  # RAGEN's config/two_armed_bandit.yaml
 _NAME = re.compile(r"[a-z]+")
-# RAGEN's ``intro`` (create_dataset_two_armed.py) with its observation, verbatim but for RAGEN's chat
-# template around it (the stray "x" line is RAGEN's).
-PROMPT = """You are playing a two-armed bandit game. Goal: Maximize your total reward by choosing which arm to pull.
-x
-Game Rules:
-1. There are 2 arms, named {name_a} and {name_b}
-2. Each arm has its own reward distribution, related to their names. 
-3. Analyze the symbolic meaning of each arm's name to guess how their reward distribution might behave.
-4. Based on the symbolic meaning of their names, which arm do you think is more likely to give higher rewards on average? Choose between {name_a} and {name_b}, and output like <answer> [{name_a} or {name_b}] </answer>.
-Current State:
-You are facing 2 slot machines ({low} and {high}). Each machine has its own reward distribution.
-Which machine will you pull?
-Think and choose which arm to pull:"""  # noqa: W291
+# RAGEN's prompt (``intro`` of create_dataset_two_armed.py, 380 builtin_env tokens), condensed to its
+# content so that prompt and answer fit the builtin models' 128-token pretraining window: the game, the
+# names in the shuffled order, that the reward distributions relate to the names, and the question.
+PROMPT = (
+    "You are playing a two-armed bandit game. There are 2 arms, named {name_a} and {name_b}. Each arm has its "
+    "own reward distribution, related to their names. Based on the symbolic meaning of their names, which arm "
+    "do you think is more likely to give higher rewards on average? Choose between {name_a} and {name_b}."
+)
 
 
 def pull(rng: random.Random, risk: str) -> float:
@@ -90,6 +85,5 @@ class TwoArmedBanditEnv(Environment):
 
     def format_observation(self) -> str:
         if self.pulled is None:
-            low, high = self.action_words
-            return PROMPT.format(name_a=self.shown[0], name_b=self.shown[1], low=low, high=high)
+            return PROMPT.format(name_a=self.shown[0], name_b=self.shown[1])
         return f"You pulled machine {self.pulled}."

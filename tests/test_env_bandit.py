@@ -51,21 +51,20 @@ def test_single_step_reproducible_and_case_insensitive():
 
 
 def _names_line(obs):
-    return next(line for line in obs.splitlines() if line.startswith("1. There are 2 arms"))
+    return obs.split(". ")[1]
 
 
 def test_arm_names_shuffled_per_seed_as_ragen():
-    """RAGEN: names = [low, high]; random.Random(seed).shuffle(names); the prompt lists names[0], names[1];
-    its observation line keeps the low, high order."""
+    """RAGEN: names = [low, high]; random.Random(seed).shuffle(names); the prompt lists names[0], names[1]."""
     env, orders = make_env("two_armed_bandit"), set()
     for seed in range(40):
         obs = env.reset(seed)
         names = ["phoenix", "dragon"]
         random.Random(seed).shuffle(names)
-        assert _names_line(obs) == f"1. There are 2 arms, named {names[0]} and {names[1]}"
-        assert f"Choose between {names[0]} and {names[1]}, and output like <answer> [{names[0]} or {names[1]}]" in obs
-        assert "You are facing 2 slot machines (phoenix and dragon)." in obs
-        assert "symbolic meaning" in obs and "low" not in obs.split() and "high" not in obs.split()
+        assert _names_line(obs) == f"There are 2 arms, named {names[0]} and {names[1]}"
+        assert obs.endswith(f"Choose between {names[0]} and {names[1]}.")
+        assert "related to their names" in obs and "symbolic meaning" in obs
+        assert "low" not in obs.split() and "high" not in obs.split()
         orders.add(tuple(names))
     assert orders == {("phoenix", "dragon"), ("dragon", "phoenix")}
     # seed 0: shuffle draws j = getrandbits(1), the top bit of the first output word, which is 1 since

@@ -30,7 +30,7 @@ from pathlib import Path
 from trl_ext import builtin_model as bm
 
 BUILTIN_ENV = "builtin_env"  # the --model value that selects this model
-VERSION = "v3"  # v3: RAGEN prompts (issue 13)
+VERSION = "v4"  # v3, v4: RAGEN prompts (issue 13; v4: the condensed bandit prompt)
 NEWLINE = "|"  # the line-break token (see ``env_tokenizer``)
 STORIES = 5000
 EPISODES_PER_ENV = 2000
