@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from environments.base import ENVIRONMENTS, env_class, make_env, run_episode
+from environments.base import ENVIRONMENTS, answer_text, env_class, make_env, run_episode
 from trl_ext import builtin_env_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +26,8 @@ def test_cache_name_carries_the_version():
 
 
 def _texts():
-    """Every kind of prompt text the environments produce: start, prefill, valid and invalid feedback,
-    digits and the bandit's two name orders."""
+    """Every kind of text the environments write (start, prefill, valid and invalid feedback, the bandit's
+    two name orders) and the answers in action words and RAGEN's digits."""
     env_class("sokoban")  # registers every builtin environment
     texts = []
     for name in ENVIRONMENTS.names():
@@ -35,9 +35,10 @@ def _texts():
             env = make_env(name, strict=strict)
             for seed in range(4):
                 words = env.action_words if name != "arithmetic" else ("7",)
-                answers = iter([f"<answer>{words[0]}</answer>", "<answer>zzz</answer>", "1 (left)", "4"] * 3)
+                answers = iter([answer_text(words[0]), "<answer>4</answer>", answer_text(words[-1]), "x"] * 3)
                 traj = run_episode(env, lambda h: next(answers), seed=seed, max_turns=4)
-                texts.append(traj.history_text())
+                texts += [text + "\n" + traj.prefill for role, text in traj.segments() if role == "env"]
+                texts += [answer_text(w) for w in (*words, "1", "2", "3", "4")]
     return texts
 
 
