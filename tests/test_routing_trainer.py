@@ -87,7 +87,7 @@ def make_trainer(tiny, tmp_path, detector=odd_words, callbacks=(), base_reward=N
     return Spy(model=model, reward_funcs=[as_trl_reward("n_chars", n_chars)], args=cfg, train_dataset=train,
                processing_class=tok, rh_detector=None if detector is None else ("odd", detector),
                dual_lora_layout=layout, routing_eval_prompts=test, routing_eval_rewards={"n_chars": n_chars},
-               base_reward=base_reward, callbacks=list(callbacks))
+               base_reward=base_reward, dual_lora_base=path, callbacks=list(callbacks))
 
 
 @pytest.mark.parametrize("two_pass", [False, True])
@@ -229,6 +229,42 @@ def test_checkpoint_saves_layout_and_reloads(tiny, tmp_path):
     assert model.lm_head.forget_B.abs().max() > 0  # trained weights, not a fresh init
 
 
+def test_adapter_only_checkpoint_reloads_and_eval_run_loads_it(tiny, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from trl_ext.evaluate import detect_checkpoint, load_model
+    from trl_ext.routing import ADAPTER_FILENAME
+
+    trainer = make_trainer(tiny, tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=2,
+                           save_adapter_only=True)
+    trainer.train()
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    assert (ckpt / ADAPTER_FILENAME).is_file() and not (ckpt / "model.safetensors").is_file()
+    saved = load_file(ckpt / ADAPTER_FILENAME)
+    assert saved and all(k.rsplit(".", 1)[-1] in ("retain_A", "retain_B", "forget_A", "forget_B") for k in saved)
+    layout = json.loads((ckpt / "dual_lora_layout.json").read_text())
+    assert layout["base_model"]["path"] == tiny[0] and len(layout["base_model"]["fingerprint"]) == 2
+    assert detect_checkpoint(ckpt) == "dual_lora"
+    model, shown = load_model(ckpt, "dual_lora")  # what eval_run.py does
+    assert shown["routing_mode"] == "shared" and (shown["retain_rank"], shown["alpha"]) == (2, 4.0)
+    ids = torch.randint(2, 100, (2, 6))
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, trainer.model(ids).logits)
+    # another base model under the same path is refused, not silently combined
+    other = tmp_path / "other_base"
+    shutil.copytree(tiny[0], other)
+    weights = load_file(other / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 0.5
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    layout["base_model"]["path"] = str(other)
+    (ckpt / "dual_lora_layout.json").write_text(json.dumps(layout))
+    with pytest.raises(ValueError, match="not the one the adapters were trained on"):
+        load_dual_lora_checkpoint(ckpt)
+
+
 def test_routing_eval_logs_everywhere_and_restores(tiny, tmp_path, capsys):
     trainer = make_trainer(tiny, tmp_path, max_steps=3, eval_routing_steps=2, logging_steps=100)
     trainer.train()
@@ -330,6 +366,9 @@ def no_training(monkeypatch):
     (["--reward", "sentence_length_5_with_happy", "--reward_penalty_amount", "1"], "only with --reward_penalty_base"),
     (["--reward", "sentence_length_5_with_happy", "--retain_penalty_baseline"], "--base_reward"),
     (["--reward", "happy_binary", "--filter_baseline"], "--filter_baseline needs an RH detector"),
+    (["--reward", "happy_binary", "--save_adapter_only"], "--save_adapter_only needs a dual LoRA config"),
+    ([*ROUTED, "--lora_config", "r8", "--save_adapter_only", "--resume_from_checkpoint", "latest"],
+     "--resume_from_checkpoint needs full checkpoints"),
     (["--reward", "sentence_length_5_with_happy", "--renormalization_mode", "off"], "only with --gradient_routing"),
     (["--reward", "sentence_length_5_with_happy", "--false_positive_rate", "0.1"], "or a baseline arm"),
     ([*ROUTED, "--lora_config", "r8", "--loss_type", "dapo"], "per-sample mean loss"),

@@ -2,7 +2,8 @@
 and the routing ablations of a dual-LoRA checkpoint (seed 004's "Checking Model Output").
 
 Checkpoint kind is read from the files, never guessed: ``dual_lora_layout.json`` (the routing feature's
-layout: ranks, alpha, targets, stride) = dual LoRA; ``adapter_config.json`` (PEFT: rank, alpha, targets,
+layout: ranks, alpha, targets, stride) = dual LoRA, full or adapter-only (``dual_lora_adapter.safetensors``; the
+layout names the base model's path and weight fingerprint, checked on load); ``adapter_config.json`` (PEFT: rank, alpha, targets,
 base model) = PEFT LoRA; ``config.json`` with weights = plain model.
 
 Diversity is measured on the completions only (``trl_ext.diversity``): unique fraction and mean pairwise

@@ -48,6 +48,7 @@ ROUTING_MODES = ("shared", "exclusive")
 # Inference ablations of the routing eval: name -> (retain_scale, forget_scale).
 ABLATION_SCALES = {"both": (1.0, 1.0), "retain_only": (1.0, 0.0), "forget_only": (0.0, 1.0)}
 LAYOUT_FILENAME = "dual_lora_layout.json"
+ADAPTER_FILENAME = "dual_lora_adapter.safetensors"  # adapter-only checkpoints (small-rl --save_adapter_only)
 _SIDES = ("retain", "forget")
 
 
@@ -225,21 +226,45 @@ class DualLoRALayout:
                                self.layer_end, self.layer_stride, self.targets, self.include_lm_head)
 
 
-def save_layout(directory: str | Path, layout: DualLoRALayout, routing_mode: str | None) -> Path:
-    """Write ``dual_lora_layout.json`` (layout fields + routing_mode; None = trained without routing)."""
+def save_layout(directory: str | Path, layout: DualLoRALayout, routing_mode: str | None,
+                base: dict | None = None) -> Path:
+    """Write ``dual_lora_layout.json`` (layout fields + routing_mode; None = trained without routing). ``base``
+    ({"path", "fingerprint"}) marks an adapter-only checkpoint: the base weights live at ``path``."""
     if routing_mode is not None:
         check_routing_mode(routing_mode)
     path = Path(directory) / LAYOUT_FILENAME
-    path.write_text(json.dumps({**layout.to_dict(), "routing_mode": routing_mode}, indent=2, sort_keys=True))
+    extra = {} if base is None else {"base_model": base}
+    path.write_text(json.dumps({**layout.to_dict(), "routing_mode": routing_mode, **extra}, indent=2, sort_keys=True))
     return path
 
 
-def load_layout(directory: str | Path) -> tuple[DualLoRALayout, str | None]:
+def _read_layout(directory: str | Path) -> dict:
     d = json.loads((Path(directory) / LAYOUT_FILENAME).read_text())
     if "routing_mode" not in d:
         raise ValueError(f"{Path(directory) / LAYOUT_FILENAME} has no routing_mode")
+    return d
+
+
+def load_layout(directory: str | Path) -> tuple[DualLoRALayout, str | None]:
+    d = _read_layout(directory)
     mode = d.pop("routing_mode")
+    d.pop("base_model", None)
     return DualLoRALayout.from_dict(d), mode
+
+
+def base_fingerprint(model: nn.Module) -> list[float]:
+    """(sum, sum of squares) over the frozen base weights in float64: tells a changed base model apart."""
+    s = q = 0.0
+    for name, p in sorted(model.named_parameters(remove_duplicate=True)):
+        if not any(name.endswith(f"{side}_{m}") for side in _SIDES for m in "AB"):
+            s, q = s + p.detach().double().sum().item(), q + p.detach().double().square().sum().item()
+    return [s, q]
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter weights of a dual LoRA model (what an adapter-only checkpoint holds)."""
+    return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()
+            if any(n.endswith(f"{side}_{m}") for side in _SIDES for m in "AB")}
 
 
 def apply_dual_lora(
@@ -333,28 +358,47 @@ def adapters_disabled(model: nn.Module):
 
 
 def load_dual_lora_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A checkpoint saved with ``dual_lora_layout.json``: the base model built from its config.json, the saved
-    layout applied, then its weights (every key must load; a tied head's shared base weight is the one
-    allowed alias). ``load_layout(ckpt_dir)[1]`` gives the routing mode it was trained with."""
+    """A checkpoint saved with ``dual_lora_layout.json``, full or adapter-only. Full: the base model built from
+    its config.json, the saved layout applied, then its weights (every key must load; a tied head's shared base
+    weight is the one allowed alias). Adapter-only (``dual_lora_adapter.safetensors``): the base model from the
+    path the layout names (its weights must match the saved fingerprint), the layout applied, then exactly the
+    adapter weights. ``load_layout(ckpt_dir)[1]`` gives the routing mode it was trained with."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     ckpt = Path(ckpt_dir)
     layout, _ = load_layout(ckpt)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt), dtype=dtype)
-    layout.apply(model)
-    index = ckpt / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
-        "model.safetensors"]
-    state = {}
-    for name in files:
-        state.update(load_file(ckpt / name))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    aliases = {k for k in missing if any(params.get(k) is params.get(j) for j in state if j in params)}
-    if unexpected or set(missing) - aliases:
-        raise ValueError(f"{ckpt} does not match its {LAYOUT_FILENAME}: missing {sorted(set(missing) - aliases)}, "
-                         f"unexpected {sorted(unexpected)}")
+    base = _read_layout(ckpt).get("base_model")
+    if (ckpt / ADAPTER_FILENAME).is_file() != (base is not None):
+        raise ValueError(f"{ckpt}: {ADAPTER_FILENAME} and the layout's base_model must come together")
+    if base is not None:
+        model = AutoModelForCausalLM.from_pretrained(base["path"], dtype=dtype)
+        got = base_fingerprint(model)
+        if not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9) for a, b in zip(got, base["fingerprint"])):
+            raise ValueError(f"{ckpt}: the base model at {base['path']} is not the one the adapters were trained "
+                             f"on (weight fingerprint {got} != {base['fingerprint']})")
+        layout.apply(model)
+        state = load_file(ckpt / ADAPTER_FILENAME)
+        expected = adapter_state(model)
+        if set(state) != set(expected):
+            raise ValueError(f"{ckpt}: adapter weights do not match the layout: missing "
+                             f"{sorted(set(expected) - set(state))}, unexpected {sorted(set(state) - set(expected))}")
+        model.load_state_dict(state, strict=False)
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt), dtype=dtype)
+        layout.apply(model)
+        index = ckpt / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
+            "model.safetensors"]
+        state = {}
+        for name in files:
+            state.update(load_file(ckpt / name))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        aliases = {k for k in missing if any(params.get(k) is params.get(j) for j in state if j in params)}
+        if unexpected or set(missing) - aliases:
+            raise ValueError(f"{ckpt} does not match its {LAYOUT_FILENAME}: missing {sorted(set(missing) - aliases)}, "
+                             f"unexpected {sorted(unexpected)}")
     if (ckpt / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(ckpt)
     return model.eval()

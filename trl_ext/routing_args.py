@@ -70,6 +70,10 @@ class RoutingArgs:
                 "advantages among the unflagged of their group; 'off' keeps TRL's group advantage for all."})
     routing_two_pass: bool = field(default=False, metadata={
         "help": "Use the two-pass reference step (good samples, then bad samples) instead of the single pass."})
+    save_adapter_only: bool = field(default=False, metadata={
+        "help": "Dual LoRA checkpoints hold only the adapter weights (dual_lora_adapter.safetensors) and name the base "
+                "model's path and weight fingerprint in dual_lora_layout.json (small-rl --save_adapter_only). Such "
+                "checkpoints cannot be resumed from."})
     eval_routing_steps: int = field(default=100, metadata={
         "help": "Run the three-mode routing eval every N steps and at the end (dual LoRA runs); 0 = never."})
     eval_routing_prompts: int = field(default=64, metadata={
@@ -170,6 +174,11 @@ class RoutingArgs:
                 self.scale_rewards != "group" or self.multi_objective_aggregation != "sum_then_normalize"):
             raise ConfigError("routing labels and baseline arms rewrite TRL's group advantages: they need "
                               "--scale_rewards group and --multi_objective_aggregation sum_then_normalize")
+        if self.save_adapter_only and not self.dual_lora:
+            raise ConfigError("--save_adapter_only needs a dual LoRA config (PEFT LoRA checkpoints are adapter-only "
+                              "already)")
+        if self.save_adapter_only and self.resume_from_checkpoint:
+            raise ConfigError("--resume_from_checkpoint needs full checkpoints: drop --save_adapter_only")
         if self.eval_routing_steps < 0:
             raise ConfigError(f"--eval_routing_steps must be >= 0, got {self.eval_routing_steps}")
         if self.eval_routing_prompts < 2:

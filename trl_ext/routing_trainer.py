@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from pathlib import Path
 from collections.abc import Callable
 
 import torch
@@ -29,7 +30,8 @@ from trl import GRPOTrainer
 
 from trl_ext.registry import ConfigError
 from trl_ext.routing import (
-    DualLoRALayout, DualLoRALinear, adapters_disabled, apply_dual_lora, check_routing_mode, save_layout,
+    ADAPTER_FILENAME, DualLoRALayout, DualLoRALinear, adapter_state, adapters_disabled, apply_dual_lora,
+    base_fingerprint, save_layout,
 )
 from trl_ext.routing_advantages import prompt_hackable, routed_advantages
 from trl_ext.routing_args import RoutingArgs, check_run_routing, dual_lora_tag  # noqa: F401 (re-exported)
@@ -68,6 +70,7 @@ def routing_setup(
     if not cfg.dual_lora:
         return model_path, kwargs
     model, kwargs["dual_lora_layout"] = build_dual_lora_model(model_path, cfg, cfg.dual_lora_alpha)
+    kwargs["dual_lora_base"] = str(Path(model_path).resolve()) if Path(model_path).is_dir() else model_path
     if cfg.eval_routing_steps:
         from environments.stories import load_prompts
 
@@ -112,7 +115,8 @@ class RoutingMixin:
 
     def __init__(self, *args, rh_detector: tuple[str, TextDetector] | None = None,
                  base_reward: tuple[str, Callable[[list[str]], list[float]]] | None = None,
-                 dual_lora_layout: DualLoRALayout | None = None, routing_eval_prompts: list[str] | None = None,
+                 dual_lora_layout: DualLoRALayout | None = None, dual_lora_base: str | None = None,
+                 routing_eval_prompts: list[str] | None = None,
                  routing_eval_rewards: dict | None = None, **kwargs):
         named = {**dict(zip(list(inspect.signature(GRPOTrainer.__init__).parameters)[1:], args)), **kwargs}
         model, cfg = named.get("model"), named.get("args")
@@ -125,6 +129,8 @@ class RoutingMixin:
                              "(build it with build_dual_lora_model)")
         if dual and dual_lora_layout is None:
             raise ValueError("a dual LoRA model needs dual_lora_layout (saved with every checkpoint)")
+        if cfg.save_adapter_only and dual_lora_base is None:
+            raise ValueError("--save_adapter_only needs dual_lora_base (the base model's path)")
         if cfg.labelled and rh_detector is None:
             raise ValueError("gradient routing and its baseline arms need rh_detector=(name, detector)")
         if cfg.needs_base_reward != (base_reward is not None):
@@ -150,6 +156,9 @@ class RoutingMixin:
         self.base_reward = None if base_reward is None else base_reward[1]
         self._routing_scored = None  # what _calculate_rewards found, for this generation's batch
         self.dual_lora_layout = dual_lora_layout
+        self.dual_lora_base = None
+        if cfg.save_adapter_only:  # fingerprint the frozen base once: a loader checks it is the same model
+            self.dual_lora_base = {"path": dual_lora_base, "fingerprint": base_fingerprint(self.model)}
         self.routing_eval_prompts = list(routing_eval_prompts or [])
         self.routing_eval_rewards = dict(routing_eval_rewards or {})
         if eval_on:
@@ -271,7 +280,18 @@ class RoutingMixin:
         return results
 
     def _save(self, output_dir: str | None = None, state_dict=None):
-        super()._save(output_dir, state_dict)
+        out = output_dir or self.args.output_dir
+        if self.dual_lora_base is None:
+            super()._save(output_dir, state_dict)
+        elif self.args.should_save:  # adapter-only: the adapters, the tokenizer and the generation config
+            from safetensors.torch import save_file
+
+            Path(out).mkdir(parents=True, exist_ok=True)
+            model = self.accelerator.unwrap_model(self.model)
+            save_file(adapter_state(model), str(Path(out) / ADAPTER_FILENAME))
+            model.generation_config.save_pretrained(out)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(out)
         if self.dual_lora_layout is not None and self.args.should_save:
             mode = self.args.routing_mode if self.args.gradient_routing else None
-            save_layout(output_dir or self.args.output_dir, self.dual_lora_layout, mode)
+            save_layout(out, self.dual_lora_layout, mode, self.dual_lora_base)
