@@ -265,6 +265,19 @@ def test_adapter_only_checkpoint_reloads_and_eval_run_loads_it(tiny, tmp_path):
         load_dual_lora_checkpoint(ckpt)
 
 
+def test_forget_lr_mult_own_group(tiny, tmp_path):
+    """AdamW's first step moves each weight by lr x g / (|g| + eps), about lr where g != 0: the forget B matrices
+    (zero at init) move by 3 x lr, the retain ones by lr."""
+    trainer = make_trainer(tiny, tmp_path, max_steps=1, forget_lr_mult=3.0, learning_rate=1e-3)
+    trainer.train()
+    groups = trainer.optimizer.param_groups
+    assert [len(g["params"]) for g in groups] == [len(retain_params(trainer.model)), len(forget_params(trainer.model))]
+    assert groups[1]["initial_lr"] == pytest.approx(3 * groups[0]["initial_lr"]) and groups[0]["initial_lr"] == 1e-3
+    moved = {side: max(m.__getattr__(f"{side}_B").abs().max().item() for m in dual_lora_modules(trainer.model))
+             for side in ("retain", "forget")}
+    assert moved["retain"] == pytest.approx(1e-3, rel=1e-3) and moved["forget"] == pytest.approx(3e-3, rel=1e-3)
+
+
 def test_routing_eval_logs_everywhere_and_restores(tiny, tmp_path, capsys):
     trainer = make_trainer(tiny, tmp_path, max_steps=3, eval_routing_steps=2, logging_steps=100)
     trainer.train()
@@ -367,6 +380,8 @@ def no_training(monkeypatch):
     (["--reward", "sentence_length_5_with_happy", "--retain_penalty_baseline"], "--base_reward"),
     (["--reward", "happy_binary", "--filter_baseline"], "--filter_baseline needs an RH detector"),
     (["--reward", "happy_binary", "--save_adapter_only"], "--save_adapter_only needs a dual LoRA config"),
+    ([*ROUTED, "--lora_config", "r8", "--forget_lr_mult", "2", "--weight_decay", "0.1"], "--weight_decay 0"),
+    (["--reward", "happy_binary", "--forget_lr_mult", "2"], "needs a forget adapter"),
     ([*ROUTED, "--lora_config", "r8", "--save_adapter_only", "--resume_from_checkpoint", "latest"],
      "--resume_from_checkpoint needs full checkpoints"),
     (["--reward", "sentence_length_5_with_happy", "--renormalization_mode", "off"], "only with --gradient_routing"),

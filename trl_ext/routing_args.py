@@ -70,6 +70,9 @@ class RoutingArgs:
                 "advantages among the unflagged of their group; 'off' keeps TRL's group advantage for all."})
     routing_two_pass: bool = field(default=False, metadata={
         "help": "Use the two-pass reference step (good samples, then bad samples) instead of the single pass."})
+    forget_lr_mult: float = field(default=1.0, metadata={
+        "help": "Learning rate of the forget adapter = lr x this, in its own optimizer group (small-rl "
+                "--forget_lr_mult); needs weight_decay 0 (small-rl never decays that group)."})
     save_adapter_only: bool = field(default=False, metadata={
         "help": "Dual LoRA checkpoints hold only the adapter weights (dual_lora_adapter.safetensors) and name the base "
                 "model's path and weight fingerprint in dual_lora_layout.json (small-rl --save_adapter_only). Such "
@@ -174,6 +177,12 @@ class RoutingArgs:
                 self.scale_rewards != "group" or self.multi_objective_aggregation != "sum_then_normalize"):
             raise ConfigError("routing labels and baseline arms rewrite TRL's group advantages: they need "
                               "--scale_rewards group and --multi_objective_aggregation sum_then_normalize")
+        if self.forget_lr_mult != 1.0:
+            if not (self.forget_lr_mult > 0 and self.dual_lora and self.adapter_ranks[1] > 0):
+                raise ConfigError(f"--forget_lr_mult must be > 0 and needs a forget adapter (dual LoRA, forget rank "
+                                  f"> 0), got {self.forget_lr_mult}")
+            if self.weight_decay:
+                raise ConfigError("--forget_lr_mult needs --weight_decay 0 (small-rl never decays the forget group)")
         if self.save_adapter_only and not self.dual_lora:
             raise ConfigError("--save_adapter_only needs a dual LoRA config (PEFT LoRA checkpoints are adapter-only "
                               "already)")

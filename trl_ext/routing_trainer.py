@@ -31,7 +31,7 @@ from trl import GRPOTrainer
 from trl_ext.registry import ConfigError
 from trl_ext.routing import (
     ADAPTER_FILENAME, DualLoRALayout, DualLoRALinear, adapter_state, adapters_disabled, apply_dual_lora,
-    base_fingerprint, save_layout,
+    base_fingerprint, forget_params, retain_params, save_layout,
 )
 from trl_ext.routing_advantages import prompt_hackable, routed_advantages
 from trl_ext.routing_args import RoutingArgs, check_run_routing, dual_lora_tag  # noqa: F401 (re-exported)
@@ -278,6 +278,24 @@ class RoutingMixin:
             for key, value in metrics.items():
                 self._metrics["train"][f"routing_eval/{mode}/{key}"].append(value)
         return results
+
+    def create_optimizer(self):
+        """With --forget_lr_mult != 1: the optimizer TRL would build (``args.optim``), with the retain and the
+        forget adapter in two groups at lr and lr x mult (small-rl train.py ``create_optimizer``, HEAD 6f6e986)."""
+        if self.optimizer is None and self.args.forget_lr_mult != 1.0:
+            from transformers import Trainer
+
+            model = self.accelerator.unwrap_model(self.model)
+            retain, forget = retain_params(model), forget_params(model)
+            ids = {id(p) for p in retain + forget}
+            if other := [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ids]:
+                raise ValueError(f"--forget_lr_mult: trainable parameters outside the adapters: {other[:3]}")
+            cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, model)
+            lr = self.args.learning_rate
+            self.optimizer = cls([{"params": retain, "lr": lr, "weight_decay": 0.0},
+                                  {"params": forget, "lr": lr * self.args.forget_lr_mult, "weight_decay": 0.0}],
+                                 **kwargs)
+        return super().create_optimizer()
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         out = output_dir or self.args.output_dir
