@@ -280,7 +280,7 @@ def test_generator_failure_reaches_the_trainer():
     def boom(*a, **k):
         raise FloatingPointError("generator exploded")
 
-    clone.forward = boom
+    clone.model.embed_tokens.forward = boom  # the fast sampler calls the embedding module
     worker = RolloutWorker(clone, store, params(), max_async_level=1, strict=False, start_step=0, seed=0)
     worker.start()
     worker.submit(0, [{}] * len(PROMPTS), PROMPTS)

@@ -14,9 +14,10 @@ step n (0-based ``global_step``) is batch n of the prompt stream, and s is the s
 The queue and the weight snapshots live in memory only: a resumed run starts a fresh generator from the restored
 weights (version s), so no batch generated before the checkpoint is ever trained on.
 
-Behaviour log-probs are ``log_softmax(logits / temperature)`` of the sampled token, from the raw logits: top-k / top-p
-restrict only the distribution that is sampled from. This is what TRL's fused LM head computes for the trainer, so
-with identical weights the ratio is 1 up to float error.
+Sampling is the fast backend's (``trl_ext.generation``: static KV cache, fused sampling, CUDA graphs on CUDA). Behaviour
+log-probs are ``log_softmax(logits / temperature)`` of the sampled token, from the raw logits: top-k / top-p restrict
+only the distribution that is sampled from. This is what TRL's fused LM head computes for the trainer, so with
+identical weights the ratio is 1 up to float error.
 """
 
 from __future__ import annotations
@@ -31,101 +32,27 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from trl.trainer.utils import pad
+
+from trl_ext.generation.sampler import FastSampler, Sampled, SamplingParams
+from trl_ext.generation.sampling import restrict_logits
+
+__all__ = ["PolicyStore", "RolloutWorker", "Sampled", "SamplingParams", "generation_copy", "restrict_logits", "sample"]
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the generator samples; the trainer fills it from its GRPOConfig (no defaults here)."""
-
-    max_new_tokens: int
-    temperature: float
-    top_k: int  # 0 = off
-    top_p: float  # 1.0 = off
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={self.top_k}, top_p={self.top_p}")
-        if not self.eos_token_ids:
-            raise ValueError("eos_token_ids must not be empty")
-
-
-@dataclass
-class Sampled:
-    """Per sequence: the completion token ids (up to and including EOS), their behaviour log-probs and versions."""
-
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]
-    versions: list[list[int]]
-
-
-def restrict_logits(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Sampling-only filter, top-k then top-p as transformers' TopK/TopP warpers: -inf outside the kept set."""
-    if 0 < top_k < scaled.size(-1):
-        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
-        scaled = scaled.masked_fill(scaled < kth, -torch.inf)
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, dim=-1)  # ascending
-        drop_sorted = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
-        drop_sorted[..., -1] = False  # the most likely token is always kept
-        scaled = scaled.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -torch.inf)
-    return scaled
-
-
-@torch.no_grad()
 def sample(
     model: nn.Module,
     prompt_ids: list[list[int]],
     params: SamplingParams,
-    rng: torch.Generator,
+    rng: torch.Generator | None,
     before_step: Callable[[int], int] | None = None,
 ) -> Sampled:
-    """Sample one completion per prompt with a KV cache, left-padding the prompts.
+    """One completion per prompt with the fast sampler (``trl_ext.generation``), left-padding the prompts.
 
     ``before_step(t)`` is called before every forward pass (t = 0 is the prefill); it may load new weights and returns
-    the version that produces token t (without it every token is version 0). Positions are not passed, so the model
-    numbers them 0..len-1 over the padded row exactly as the trainer's forward over the same padded row does.
+    the version that produces token t (without it every token is version 0). Positions run 0..len-1 over the padded
+    row exactly as the trainer's forward over the same padded row numbers them.
     """
-    device = next(model.parameters()).device
-    batch = len(prompt_ids)
-    if min(len(p) for p in prompt_ids) == 0:
-        raise ValueError("every prompt needs at least one token")
-    rows = [torch.tensor(p, dtype=torch.long, device=device) for p in prompt_ids]
-    ids = pad(rows, padding_value=params.pad_token_id, padding_side="left")
-    attention = pad([torch.ones_like(row) for row in rows], padding_value=0, padding_side="left")
-    eos = torch.tensor(params.eos_token_ids, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    tokens, logps, alive, versions, past = [], [], [], [], None
-    for t in range(params.max_new_tokens):
-        versions.append(before_step(t) if before_step is not None else 0)
-        out = model(input_ids=ids, attention_mask=attention, past_key_values=past, use_cache=True, logits_to_keep=1)
-        past = out.past_key_values
-        scaled = out.logits[:, -1, :].float() / params.temperature
-        probs = restrict_logits(scaled, params.top_k, params.top_p).softmax(-1)
-        tok = torch.multinomial(probs, 1, generator=rng).squeeze(1)
-        tok = torch.where(done, params.pad_token_id, tok)
-        tokens.append(tok)
-        logps.append(scaled.log_softmax(-1).gather(1, tok[:, None]).squeeze(1))
-        alive.append(~done)
-        done = done | torch.isin(tok, eos)
-        if bool(done.all()):
-            break
-        ids = tok[:, None]
-        attention = torch.cat([attention, attention.new_ones(batch, 1)], dim=1)
-    tok_m, lp_m, alive_m = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu(), torch.stack(alive, 1).cpu()
-    out_ids, out_lp, out_v = [], [], []
-    for i in range(batch):
-        n = int(alive_m[i].sum())
-        out_ids.append(tok_m[i, :n].tolist())
-        out_lp.append(lp_m[i, :n].tolist())
-        out_v.append(versions[:n])
-    return Sampled(out_ids, out_lp, out_v)
+    return FastSampler(model).sample(prompt_ids, params, rng, before_step)
 
 
 def generation_copy(model: nn.Module) -> nn.Module:
@@ -256,6 +183,7 @@ class RolloutWorker:
         self.loaded_version: int | None = None
         self.error: BaseException | None = None
         self._params = dict(model.named_parameters())
+        self.sampler = FastSampler(model)
         self._jobs: dict[int, tuple[list[dict], list[list[int]]]] = {}
         self._jobs_cond = threading.Condition()
         self._stop = threading.Event()
@@ -335,15 +263,16 @@ class RolloutWorker:
                 torch.set_num_threads(self.num_threads)
             device = next(self.model.parameters()).device
             stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            rng = torch.Generator(device)  # one generator, reseeded per batch (a CUDA graph keeps it registered)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 for index in itertools.count(self.start_step):
                     rows, prompt_ids = self._next_job(index)
                     need = self.required_version(index)
                     latest = self.store.wait(need)
                     self._load(need if self.strict else latest)
-                    rng = torch.Generator(device).manual_seed(self.seed * 1_000_003 + index)
+                    rng.manual_seed(self.seed * 1_000_003 + index)
                     with self.autocast():
-                        out = sample(self.model, prompt_ids, self.params, rng, self._before_step(index))
+                        out = self.sampler.sample(prompt_ids, self.params, rng, self._before_step(index))
                     rollout = Rollout(index, rows, prompt_ids, out.completion_ids, out.logprobs, out.versions)
                     while True:
                         if self._stop.is_set():

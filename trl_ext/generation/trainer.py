@@ -1,0 +1,77 @@
+"""Trainer plumbing of the fast generation backend: the ``--generation_backend`` flag (`GenerationArgs`) and the
+GRPOTrainer hook (`GenerationMixin._generate_single_turn`). The sampler is ``trl_ext.generation.sampler``.
+
+``--generation_backend trl`` (the default) leaves TRL's generation untouched. ``fast`` replaces the
+``transformers.generate`` call of synchronous runs with `FastSampler`, which also returns the behaviour log-probs
+(raw tempered logits, as the asynchronous generator records them; TRL stores them as ``sampling_per_token_logps``).
+Runs with ``--max_async_level >= 1`` always sample with the fast sampler, in the generator thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from trl import GRPOConfig
+
+from trl_ext.generation.sampler import FastSampler, SamplingParams
+from trl_ext.registry import ConfigError
+
+BACKENDS = ("trl", "fast")
+_UNSUPPORTED = ("use_vllm", "use_transformers_continuous_batching", "repetition_penalty", "min_p", "generation_kwargs",
+                "cache_implementation", "pad_to_multiple_of")  # fmt: skip
+"""GRPOConfig generation options the fast backend does not implement: each must keep TRL's default."""
+
+
+@dataclass
+class GenerationArgs:
+    generation_backend: str = field(
+        default="trl",
+        metadata={"help": "Synchronous generation: 'trl' (transformers.generate, TRL's own path) or 'fast' (static KV "
+                  "cache, fused sampling, CUDA graphs on CUDA; Llama/Qwen2 models; temperature, top-k, top-p only). "
+                  "--max_async_level >= 1 always uses the fast sampler."},
+    )  # fmt: skip
+
+    def validate_generation(self) -> None:
+        """Raise ConfigError for settings the chosen backend would ignore (called by ExtGRPOConfig)."""
+        if self.generation_backend not in BACKENDS:
+            raise ConfigError(f"--generation_backend must be one of {', '.join(BACKENDS)}, got {self.generation_backend!r}")
+        if self.generation_backend == "trl":
+            return
+        defaults = {f.name: f.default for f in fields(GRPOConfig)}
+        for name in _UNSUPPORTED:
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(f"--{name} {getattr(self, name)!r} is not implemented by --generation_backend fast "
+                                  f"(keep TRL's default {defaults[name]!r}, or use --generation_backend trl)")  # fmt: skip
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise ConfigError("--generation_backend fast needs --max_completion_length >= 1")
+        if not self.temperature > 0 or not 0 < self.top_p <= 1 or (self.top_k or 0) < 0:
+            raise ConfigError(f"--generation_backend fast needs --temperature > 0, 0 < --top_p <= 1 and --top_k >= 0, "
+                              f"got {self.temperature}, {self.top_p}, {self.top_k}")  # fmt: skip
+
+
+class GenerationMixin:
+    """Routes TRL's single-turn generation to `FastSampler` when ``--generation_backend fast``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fast_sampler: FastSampler | None = None
+        if self.args.generation_backend == "fast":
+            try:
+                self._fast_sampler = FastSampler(self.accelerator.unwrap_model(self.model))
+            except ValueError as e:
+                raise ConfigError(f"--generation_backend fast: {e}") from e
+            if self.accelerator.num_processes != 1:
+                raise ConfigError("--generation_backend fast runs on one process")
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self._fast_sampler is None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)  # fmt: skip
+        if images is not None or multimodal_fields or has_tool_images:
+            raise ValueError("--generation_backend fast supports text prompts only")
+        params = SamplingParams(
+            max_new_tokens=self.max_completion_length, temperature=self.temperature, top_k=self.top_k or 0,
+            top_p=self.top_p, eos_token_ids=tuple(self.eos_token_ids), pad_token_id=self._tokenizer.pad_token_id,
+        )  # fmt: skip
+        out = self._fast_sampler.sample(prompt_ids, params)
+        return out.completion_ids, out.logprobs
