@@ -20,6 +20,7 @@ from trl_ext.distill_trainer import DistillArgs
 from trl_ext.offpolicy_trainer import OffPolicyArgs
 from trl_ext.routing_trainer import RoutingArgs
 from trl_ext.env_trainer import EnvArgs
+from trl_ext.generation.trainer import GenerationArgs
 from trl_ext.sft import SFTArgs
 
 PROMPT_SOURCES = ("builtin", "simplestories")
@@ -89,7 +90,7 @@ class RunArgs:
 
 
 @dataclass
-class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, GRPOConfig):
+class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, GenerationArgs, GRPOConfig):
     """`trl.GRPOConfig` with the project's defaults and extension fields."""
 
     # --- project defaults for GRPOConfig / TrainingArguments fields (seed 004's validated values) ---
@@ -157,6 +158,7 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
         self.validate_offpolicy()
         self.validate_env()
         self.validate_sft()
+        self.validate_generation()
         try:
             super().__post_init__()
         except ValueError as e:  # TRL's own checks (e.g. generation batch not divisible by num_generations)

@@ -26,6 +26,7 @@ from trl.data_utils import is_conversational
 
 from trl_ext.distill_trainer import DistillMixin
 from trl_ext.env_trainer import EnvMixin
+from trl_ext.generation.trainer import GenerationMixin
 from trl_ext.monitor import ZeroSignalMonitor
 from trl_ext.offpolicy_trainer import OffPolicyMixin
 from trl_ext.routing_trainer import RoutingMixin
@@ -36,7 +37,8 @@ from trl_ext.runs.mixin import CheckpointMixin
 TextReward = Callable[[list[str]], list[float]]
 
 
-class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin, EnvMixin, GRPOTrainer):
+class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin, EnvMixin, GenerationMixin,
+                     GRPOTrainer):
     def __init__(self, *args, eval_reward_funcs: dict[str, TextReward] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.eval_reward_funcs = dict(eval_reward_funcs or {})
