@@ -9,6 +9,8 @@
    per map, torch seed 0), before and after. Reference: an oracle that takes the BFS move (non-slippery
    dynamics) from wherever it stands, on the same maps.
 3. Arithmetic GRPO (one seed): greedy accuracy on held-out problems before and after.
+4. Control for 1 (stage ``bandit_swapped``): the same bandit GRPO with the names swapped (``dragon`` the
+   low-risk arm, ``phoenix`` the high-risk one): does the learned preference follow the payoffs or a name?
 
     uv run python experiments/env_experiments.py [--out experiments/results/environments.md]
 
@@ -45,7 +47,7 @@ from trl_ext.sft import model_policy, validate  # noqa: E402
 OUT = ROOT / "output" / "env_experiments_v3"
 SEEDS = (0, 1, 2)
 COMMON = ["--no_wandb", "--logging_steps", "10", "--max_completion_length", "16", "--beta", "0.0"]
-SFT_MAPS, SFT_EPOCHS = 2000, 3
+SFT_MAPS, SFT_EPOCHS = 1500, 2
 SFT = ["--mode", "sft", "--env", "frozenlake", "--model", "builtin_env", "--sft_train_size", str(SFT_MAPS),
        "--sft_test_size", "20", "--sft_epochs", str(SFT_EPOCHS), "--lr", "1e-3", "--batch_size", "32"]  # fmt: skip
 RL = ["--batch_size", "32", "--n_rollout", "8", "--adv_estimator", "brpo", "--lr", "5e-4"]
@@ -72,11 +74,14 @@ def checkpoint(run_dir: Path) -> str:
     return str(max(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1])))
 
 
-def arm_share(model_dir: str, n: int = N_EVAL) -> dict:
+SWAPPED = {"low_risk_name": "dragon", "high_risk_name": "phoenix"}
+
+
+def arm_share(model_dir: str, n: int = N_EVAL, params: dict | None = None) -> dict:
     """Sampled (temperature 1) answers on held-out bandit seeds: share of each risk and of invalid."""
     model, tok = load_model_and_tokenizer(model_dir)
     torch.manual_seed(0)
-    envs = [make_env("two_armed_bandit") for _ in range(n)]
+    envs = [make_env("two_armed_bandit", **(params or {})) for _ in range(n)]
     trajs = run_episodes(envs, model_policy(model, tok, envs[0], 16, do_sample=True),
                          list(range(HELDOUT_LEVELS, HELDOUT_LEVELS + n)), 1)  # fmt: skip
     risks = [t.turns[0].info.get("risk") for t in trajs]
@@ -125,6 +130,15 @@ def main() -> None:
                          "--save_steps", str(BANDIT_STEPS), "--seed", str(seed)])  # fmt: skip
             res["bandit_after"][str(seed)] = arm_share(checkpoint(run))
             save(raw_path, res)
+    if "bandit_swapped" in stages:
+        res["bandit_swapped_before"] = arm_share(base, params=SWAPPED)
+        res["bandit_swapped_after"] = {}
+        for seed in SEEDS:
+            run = train(["--env", "two_armed_bandit", "--env_params", "low_risk_name=dragon,high_risk_name=phoenix",
+                         "--model", "builtin_env", *RL, "--max_steps", str(BANDIT_STEPS),
+                         "--save_steps", str(BANDIT_STEPS), "--seed", str(seed)])  # fmt: skip
+            res["bandit_swapped_after"][str(seed)] = arm_share(checkpoint(run), params=SWAPPED)
+            save(raw_path, res)
     if "frozenlake" in stages:
         res["frozenlake_oracle"] = {ice: oracle(params) for ice, params in ICE.items()}
         res["frozenlake_base"] = lake_evals(base)
@@ -169,7 +183,13 @@ def write_table(path: Path, r: dict) -> None:
                   f"| builtin_env before training | {r['bandit_before']['high']:.3f} "
                   f"(invalid {r['bandit_before']['invalid']:.3f}) |",
                   f"| after {BANDIT_STEPS} GRPO steps (brpo), {len(after)} seeds | {mean_se(after)} "
-                  f"({', '.join(f'{a:.3f}' for a in after)}) |", ""]  # fmt: skip
+                  f"({', '.join(f'{a:.3f}' for a in after)}) |"]  # fmt: skip
+        if "bandit_swapped_after" in r:
+            lab = [v["high"] for v in r["bandit_swapped_after"].values()]
+            lines += [f"| control, names swapped (phoenix high-risk): before | {r['bandit_swapped_before']['high']:.3f} |",
+                      f"| control, names swapped: after {BANDIT_STEPS} steps, {len(lab)} seeds | "
+                      f"{mean_se(lab)} ({', '.join(f'{a:.3f}' for a in lab)}) |"]  # fmt: skip
+        lines.append("")
     if "frozenlake_sft" in r:
         lines += [f"| FrozenLake 4x4, success on {N_MAPS} held-out maps, 5 turns | greedy | sampled |", "|---|---|---|"]
         for ice in ICE:

@@ -1,13 +1,15 @@
 """``--mode sft`` (RAGEN early 2025, SFT mode): supervised fine-tuning on BFS-optimal trajectories.
 
-1. Data: the BFS solver's shortest action path (``environments.solvers.shortest_actions``) on the
+1. Data: the BFS solver's shortest action path (``environments.solvers.shortest_actions``; on FrozenLake
+   the non-slippery path of the same map, also for slippery ice, see ``FrozenLakeEnv.sft_params``) on the
    ``--sft_train_size`` training levels (seeds ``TRAIN_LEVELS ..``); one (prompt, completion) record per
    step, the prompt being the episode so far as the policy sees it (plain text, or chat messages for a
    model with a chat template) and the completion ``<answer>action</answer>``.
 2. Training: TRL's SFTTrainer, completion-only loss, LoRA (``--lora_rank``) or full, ``--sft_epochs``
    epochs at ``--lr``; the result (LoRA merged) is saved to ``<run dir>/model``: pass that directory as
    ``--model`` to start an RL run from it.
-3. Validation: greedy rollouts on ``--sft_test_size`` held-out levels (seeds ``HELDOUT_LEVELS ..``) for
+3. Validation: greedy rollouts on ``--sft_test_size`` held-out levels (seeds ``HELDOUT_LEVELS ..``) of
+   the environment as ``--env_params`` configure it (slippery FrozenLake by default) for
    up to ``--max_turns`` turns, before and after training; success rate and mean return in
    ``run_summary.json``.
 """
