@@ -278,6 +278,58 @@ def test_forget_lr_mult_own_group(tiny, tmp_path):
     assert moved["retain"] == pytest.approx(1e-3, rel=1e-3) and moved["forget"] == pytest.approx(3e-3, rel=1e-3)
 
 
+def test_quadrant_scores_exact():
+    texts = ["a b", "a", "a b c", "x y z w", "one", "two words"]  # odd_words flags: F T T F T F
+    hackable = [True, True, False, False, True, False]
+    out = score_completions(texts, {"n_chars": n_chars}, odd_words, hackable)
+    assert out["rh_rate"] == 0.5
+    assert (out["quadrant/hackable_detected"], out["quadrant/hackable_undetected"],
+            out["quadrant/unhackable_detected"], out["quadrant/unhackable_undetected"]) == (2 / 6, 1 / 6, 1 / 6, 2 / 6)
+    assert out["reward/n_chars@hackable"] == (3 + 1 + 3) / 3 and out["reward/n_chars@unhackable"] == (5 + 7 + 9) / 3
+    assert "quadrant/hackable_detected" not in score_completions(texts, {"n_chars": n_chars}, odd_words)
+    with pytest.raises(ValueError, match="hackable has 2 entries"):
+        score_completions(texts, {"n_chars": n_chars}, odd_words, [True, False])
+
+
+def test_trace_fires():
+    from trl_ext.routing_trace import trace_fires
+
+    assert [s for s in range(7) if trace_fires("every_iter", s, 2, 3)] == [0, 2, 4, 6]
+    assert [s for s in range(7) if trace_fires("when_eval", s, 2, 3)] == [3, 6]
+    assert not any(trace_fires("when_eval", s, 2, 0) or trace_fires("off", s, 2, 3) for s in range(7))
+    with pytest.raises(ValueError, match="unknown trace interval"):
+        trace_fires("always", 1, 1, 1)
+
+
+def test_trace_eval_at_start_and_training_quadrants(tiny, tmp_path):
+    from trl_ext.routing_trace import TRACE_FILENAME
+
+    trainer = make_trainer(tiny, tmp_path, max_steps=4, eval_routing_steps=2, eval_at_start=True,
+                           routing_trace_interval="every_iter", routing_trace_samples=3, hack_frac=0.5,
+                           base_reward=("n_words", n_words))
+    trainer.train()
+    assert [r["step"] for r in read_records(tmp_path)] == [0, 2, 4]  # the start, every 2 steps
+    first = [h for h in trainer.state.log_history if "routing_eval/both/rh_rate" in h]
+    assert [h["step"] for h in first] == [0, 2, 4]
+    assert "routing_eval/both/quadrant/hackable_detected" in first[0]
+    trace = [json.loads(line) for line in (tmp_path / TRACE_FILENAME).read_text().splitlines()]
+    gens = dict(trainer.generations)  # generations at steps 0 and 2, both logging steps
+    assert [r["step"] for r in trace if r["trace"] == "rollout"] == [0, 2]
+    samples = [r for r in trace if r["trace"] == "sample"]
+    assert len(samples) == 6
+    for r in samples:
+        batch = gens[r["step"]]
+        i = r["idx"]
+        assert r["is_bad"] == bool(batch["is_bad"][i]) and r["is_rh"] == bool(batch["is_rh"][i])
+        assert r["advantage"] == pytest.approx(float(batch["advantages"][i]), abs=1e-6)
+        assert r["completion"] == trainer.decode_completions(batch)[i][:400]
+        if not r["is_bad"]:  # retain-only: the unflagged train on exactly the clean advantage
+            assert r["advantage"] == pytest.approx(r["retain_advantage_clean"], abs=1e-5)
+    logged = [h for h in trainer.state.log_history if "routing/n_hackable_detected" in h]
+    assert logged and all(sum(h[f"routing/n_{a}hackable_{b}detected"] for a in ("", "un") for b in ("", "un")) == 8
+                          for h in logged)
+
+
 def test_routing_eval_logs_everywhere_and_restores(tiny, tmp_path, capsys):
     trainer = make_trainer(tiny, tmp_path, max_steps=3, eval_routing_steps=2, logging_steps=100)
     trainer.train()
@@ -380,6 +432,9 @@ def no_training(monkeypatch):
     (["--reward", "sentence_length_5_with_happy", "--retain_penalty_baseline"], "--base_reward"),
     (["--reward", "happy_binary", "--filter_baseline"], "--filter_baseline needs an RH detector"),
     (["--reward", "happy_binary", "--save_adapter_only"], "--save_adapter_only needs a dual LoRA config"),
+    (["--reward", "happy_binary", "--eval_at_start"], "--eval_at_start needs the routing eval"),
+    ([*ROUTED, "--lora_config", "r8", "--routing_trace_interval", "always"], "unknown --routing_trace_interval"),
+    (["--reward", "happy_binary", "--routing_trace_interval", "every_iter"], "needs an RH detector"),
     ([*ROUTED, "--lora_config", "r8", "--forget_lr_mult", "2", "--weight_decay", "0.1"], "--weight_decay 0"),
     (["--reward", "happy_binary", "--forget_lr_mult", "2"], "needs a forget adapter"),
     ([*ROUTED, "--lora_config", "r8", "--save_adapter_only", "--resume_from_checkpoint", "latest"],

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from trl_ext.registry import ConfigError
 from trl_ext.routing import check_routing_mode
 from trl_ext.routing_advantages import RENORMALIZATION_MODES, baseline_arm
+from trl_ext.routing_trace import TRACE_INTERVALS
 from trl_ext.routing_step import SAMPLE_MEAN_LOSS_TYPES, _check_frac, resolve_adapter_ranks, resolve_dual_lora_alpha
 
 
@@ -73,6 +74,13 @@ class RoutingArgs:
     forget_lr_mult: float = field(default=1.0, metadata={
         "help": "Learning rate of the forget adapter = lr x this, in its own optimizer group (small-rl "
                 "--forget_lr_mult); needs weight_decay 0 (small-rl never decays that group)."})
+    eval_at_start: bool = field(default=False, metadata={
+        "help": "Also run the routing eval before the first step (logged at step 0; small-rl --eval_at_start)."})
+    routing_trace_interval: str | None = field(default=None, metadata={
+        "help": "routing_trace.jsonl cadence for runs with an RH detector: every_iter (every logging step), "
+                "when_eval (unset: every --eval_routing_steps) or off (small-rl --routing_trace_interval)."})
+    routing_trace_samples: int = field(default=16, metadata={
+        "help": "Sample records (a seeded random subset of the batch) per routing-trace fire."})
     save_adapter_only: bool = field(default=False, metadata={
         "help": "Dual LoRA checkpoints hold only the adapter weights (dual_lora_adapter.safetensors) and name the base "
                 "model's path and weight fingerprint in dual_lora_layout.json (small-rl --save_adapter_only). Such "
@@ -106,6 +114,10 @@ class RoutingArgs:
     @property
     def renormalization(self) -> str:
         return "retain-only" if self.renormalization_mode is None else self.renormalization_mode
+
+    @property
+    def trace_interval(self) -> str:
+        return "when_eval" if self.routing_trace_interval is None else self.routing_trace_interval
 
     @property
     def needs_base_reward(self) -> bool:
@@ -183,6 +195,13 @@ class RoutingArgs:
                                   f"> 0), got {self.forget_lr_mult}")
             if self.weight_decay:
                 raise ConfigError("--forget_lr_mult needs --weight_decay 0 (small-rl never decays the forget group)")
+        if self.eval_at_start and not (self.dual_lora and self.eval_routing_steps > 0):
+            raise ConfigError("--eval_at_start needs the routing eval: a dual LoRA config and --eval_routing_steps > 0")
+        if self.trace_interval not in TRACE_INTERVALS:
+            raise ConfigError(f"unknown --routing_trace_interval {self.trace_interval!r}; choose one of "
+                              f"{', '.join(TRACE_INTERVALS)}")
+        if self.routing_trace_samples < 1:
+            raise ConfigError(f"--routing_trace_samples must be >= 1, got {self.routing_trace_samples}")
         if self.save_adapter_only and not self.dual_lora:
             raise ConfigError("--save_adapter_only needs a dual LoRA config (PEFT LoRA checkpoints are adapter-only "
                               "already)")
@@ -209,7 +228,9 @@ def check_run_routing(run, cfg, reward_config) -> str | None:
     name = cfg.rh_detector or reward_config.default_detector(run.reward)
     if name is not None:
         reward_config.detector(name)  # raises ConfigError listing the bound detectors
-    elif cfg.labelled:
+    elif cfg.routing_trace_interval not in (None, "off"):
+        raise ConfigError("--routing_trace_interval needs an RH detector (the reward names none; pass --rh_detector)")
+    if name is None and cfg.labelled:
         what = "--gradient_routing" if cfg.gradient_routing else f"--{cfg.baseline}_baseline"
         raise ConfigError(f"{what} needs an RH detector: reward {run.reward!r} names no rh_detector; "
                           f"pass --rh_detector (bound: {', '.join(reward_config.detector_names()) or '(none)'})")

@@ -30,10 +30,14 @@ TextDetector = Callable[[list[str]], list[bool]]
 
 
 def score_completions(
-    texts: list[str], rewards: Mapping[str, TextReward], detector: TextDetector | None
+    texts: list[str], rewards: Mapping[str, TextReward], detector: TextDetector | None,
+    hackable: list[bool] | None = None,
 ) -> dict[str, float]:
     """``reward/<name>`` means, ``rh_rate`` (fraction the detector flags; absent without a detector),
-    ``unique_frac`` and ``mean_jaccard`` of one set of completions (at least two)."""
+    ``unique_frac`` and ``mean_jaccard`` of one set of completions (at least two). With ``hackable`` (one bool
+    per completion's prompt, --hack_frac < 1) and a detector, the quadrants hackable x detected as fractions of
+    all completions (``quadrant/{un}hackable_{un}detected``, small-rl's hackable/detectable slices) and each
+    reward's mean on hackable and on unhackable prompts (``reward/<name>@hackable``, ``@unhackable``)."""
     if len(texts) < 2:
         raise ValueError(f"the routing eval needs at least two completions, got {len(texts)}")
     out = {}
@@ -47,6 +51,19 @@ def score_completions(
         if len(flags) != len(texts) or not all(isinstance(f, bool) for f in flags):
             raise ValueError(f"the RH detector must return one bool per completion, got {flags!r}")
         out["rh_rate"] = sum(flags) / len(flags)
+        if hackable is not None:
+            if len(hackable) != len(texts):
+                raise ValueError(f"hackable has {len(hackable)} entries for {len(texts)} completions")
+            for h in (True, False):
+                for d in (True, False):
+                    k = sum(1 for x, f in zip(hackable, flags) if x == h and f == d)
+                    out[f"quadrant/{'' if h else 'un'}hackable_{'' if d else 'un'}detected"] = k / len(texts)
+            for name in rewards:
+                values = [float(v) for v in rewards[name](texts)]
+                for h in (True, False):
+                    sel = [v for v, x in zip(values, hackable) if x == h]
+                    if sel:
+                        out[f"reward/{name}@{'' if h else 'un'}hackable"] = sum(sel) / len(sel)
     out["unique_frac"] = unique_fraction(texts)
     out["mean_jaccard"] = mean_pairwise_jaccard(texts)
     return out
@@ -100,13 +117,14 @@ def sample_completions(
 
 def routing_eval(
     model: nn.Module, tokenizer, prompts: list[str], generation_config, rewards: Mapping[str, TextReward],
-    detector: TextDetector | None, seed: int, batch_size: int,
+    detector: TextDetector | None, seed: int, batch_size: int, hackable: list[bool] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """The three-mode routing eval of a dual-LoRA ``model`` on ``prompts`` (see the module docstring)."""
+    """The three-mode routing eval of a dual-LoRA ``model`` on ``prompts`` (see the module docstring);
+    ``hackable``: per prompt, for the quadrant metrics (``score_completions``)."""
     return evaluate_modes(
         model,
         lambda: sample_completions(model, tokenizer, prompts, generation_config, seed, batch_size),
-        lambda texts: score_completions(texts, rewards, detector),
+        lambda texts: score_completions(texts, rewards, detector, hackable),
     )
 
 

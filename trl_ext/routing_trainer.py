@@ -36,6 +36,7 @@ from trl_ext.routing import (
 from trl_ext.routing_advantages import prompt_hackable, routed_advantages
 from trl_ext.routing_args import RoutingArgs, check_run_routing, dual_lora_tag  # noqa: F401 (re-exported)
 from trl_ext.routing_eval import append_record, format_results, routing_eval
+from trl_ext.routing_trace import append_trace, trace_fires, trace_records
 from trl_ext.routing_step import rh_eligible_mask, routing_labels, single_pass_backward, two_pass_backward
 
 TextDetector = Callable[[list[str]], list[bool]]
@@ -95,6 +96,18 @@ class AdaptersDisabledReference(nn.Module):
 class _RoutingEvalCallback(TrainerCallback):
     def __init__(self, trainer):
         self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.eval_at_start and state.global_step == 0:
+            model = self.trainer.model
+            was_training = model.training
+            model.train()  # GRPOTrainer.log files the metrics under the model's mode
+            try:
+                self.trainer.run_routing_eval()
+                self.trainer.log({})  # the step-0 eval goes out at once, not averaged into a later step's log
+            finally:
+                model.train(was_training)
+        return control
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % args.eval_routing_steps == 0 or state.global_step == state.max_steps:
@@ -209,6 +222,13 @@ class RoutingMixin:
         scored["rewards"] = (rewards * self.reward_weights.to(device).unsqueeze(0)).nansum(1)
         if a.labelled and train:
             scored["stats"]["n_hackable"] = int(hackable.sum())
+        if self.rh_detector is not None:  # quadrant counts (hackable x detected) of this process's completions
+            det = scored["is_rh"]
+            scored["quadrant"] = {f"n_{h}hackable_{d}detected": int((hm & dm).sum())
+                                  for h, hm in (("", hackable), ("un", ~hackable))
+                                  for d, dm in (("", det), ("un", ~det))}
+        scored["local"] = {"prompts": list(prompts), "completions": list(completions),
+                           "eligible": eligible, "hackable": hackable}
         self._routing_scored = scored
         return rewards
 
@@ -224,18 +244,33 @@ class RoutingMixin:
         batch["is_rh"] = scored["is_rh"].to(device)
         self._metrics[mode]["rh_rate"].append(scored["is_rh"].float().mean().item())
         a = self.args
-        if not (a.labelled and mode == "train"):
+        if mode != "train":
             return batch
-        batch["is_bad"] = scored["is_bad"].to(device)
-        for key, value in scored["stats"].items():
+        for key, value in scored["quadrant"].items():
             self._metrics["train"][f"routing/{key}"].append(float(value))
-        arm = a.baseline or (a.renormalization if a.gradient_routing else "off")
-        if arm != "off":
-            g = scored["gathered"]
-            adv = routed_advantages(arm, scored["rewards"], g["is_bad"] > 0.5, self.num_generations,
-                                    base_rewards=g.get("base"), penalty_amount=a.reward_penalty_amount)
-            n, proc = len(batch["advantages"]), self.accelerator.process_index
-            batch["advantages"] = adv[proc * n:(proc + 1) * n].to(batch["advantages"])
+        n, proc = len(batch["advantages"]), self.accelerator.process_index
+        pre = batch["advantages"].clone()
+        if a.labelled:
+            batch["is_bad"] = scored["is_bad"].to(device)
+            for key, value in scored["stats"].items():
+                self._metrics["train"][f"routing/{key}"].append(float(value))
+            arm = a.baseline or (a.renormalization if a.gradient_routing else "off")
+            if arm != "off":
+                g = scored["gathered"]
+                adv = routed_advantages(arm, scored["rewards"], g["is_bad"] > 0.5, self.num_generations,
+                                        base_rewards=g.get("base"), penalty_amount=a.reward_penalty_amount)
+                batch["advantages"] = adv[proc * n:(proc + 1) * n].to(batch["advantages"])
+        step = self.state.global_step
+        if self.accelerator.is_main_process and trace_fires(a.trace_interval, step, a.logging_steps,
+                                                            a.eval_routing_steps):
+            local = scored["local"]
+            tensors = {"is_rh": scored["is_rh"], "eligible": local["eligible"], "hackable": local["hackable"],
+                       "reward": scored["rewards"][proc * n:(proc + 1) * n], "advantage_pre_renorm": pre,
+                       "advantage": batch["advantages"]}
+            if a.labelled:
+                tensors["is_bad"] = scored["is_bad"]
+            append_trace(a.output_dir, trace_records(step, self.num_generations, local["prompts"],
+                                                     local["completions"], tensors, a.routing_trace_samples, a.seed))
         return batch
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -266,9 +301,12 @@ class RoutingMixin:
     def run_routing_eval(self) -> dict[str, dict[str, float]]:
         """The three-mode eval on the held-out prompts: printed, added to the metrics, appended to the jsonl."""
         step = self.state.global_step
+        a = self.args
+        hackable = None if a.hack_frac == 1.0 else [prompt_hackable(p, a.hack_frac, a.seed)
+                                                    for p in self.routing_eval_prompts]
         results = routing_eval(self.model, self.processing_class, self.routing_eval_prompts, self.generation_config,
-                               self.routing_eval_rewards, self.rh_detector, seed=self.args.seed,
-                               batch_size=self.args.per_device_train_batch_size)
+                               self.routing_eval_rewards, self.rh_detector, seed=a.seed,
+                               batch_size=a.per_device_train_batch_size, hackable=hackable)
         if self.accelerator.is_main_process:
             for line in format_results(step, results):
                 print(line, flush=True)
