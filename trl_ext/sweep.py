@@ -13,9 +13,10 @@ its daemon runs). Without a GPU, ``--parallel N`` CPU slots (default: one per co
 ``max(1, cores // slots)`` torch threads through OMP_NUM_THREADS / MKL_NUM_THREADS, read by torch at start,
 and OMP_WAIT_POLICY=PASSIVE unless set (idle OpenMP threads sleep instead of spinning on shared cores).
 
-Resumability: a run whose ``run_summary.json`` says "done" is skipped. An unfinished run directory
-(crashed or interrupted) is moved to ``{sweep_dir}/incomplete/`` and the run restarts from scratch (no
-checkpoint resume: a restart is identical to an uninterrupted run). A lock per run
+Resumability: a run whose ``run_summary.json`` says "done" is skipped. An unfinished run (crashed, killed or
+interrupted) continues from its newest complete checkpoint (train.py ``--resume_from_checkpoint latest``: an exact
+resume, see ``trl_ext.runs``); one with no complete checkpoint, or every unfinished one with
+``--restart_unfinished``, is moved to ``{sweep_dir}/incomplete/`` and restarts from scratch. A lock per run
 (``{output_dir}/.locks/``) keeps two sweeps from running the same run at once (status BUSY).
 
 Logs: train.py tees its output to ``{run_dir}/train.log``; the child's terminal output (all of it, errors
@@ -43,6 +44,7 @@ from pathlib import Path
 import yaml
 
 from trl_ext.registry import ConfigError
+from trl_ext.runs.checkpoints import latest_complete
 from trl_ext.sweep_plan import PlannedRun, build_spec, plan_runs, sweep_dir_for
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train.py"
@@ -72,6 +74,9 @@ class SweepArgs:
     per_gpu: int | None = _help(f"Concurrent runs per visible GPU (default {DEFAULT_PER_GPU}).")
     parallel: int | None = _help("Concurrent runs on a machine without GPU (default: one per CPU core).")
     sweep_name: str | None = _help("Sweep directory {output_dir}/sweeps/NAME (default: grid keys, run count, hash).")
+    restart_unfinished: bool = _help("Restart unfinished runs from scratch (their directories are moved to "
+                                     "{sweep dir}/incomplete/) instead of resuming them from their latest checkpoint.",
+                                     False)
     status_every: float = _help("Seconds between live status lines.", 30.0)
     log_tail: int = _help("Lines of a failed run's log kept in the summary.", 20)
 
@@ -240,7 +245,7 @@ def _say(msg: str) -> None:
 
 
 def execute(runs: list[PlannedRun], sweep_dir: Path, res: Resources, status_every: float, log_tail: int,
-            say=_say) -> tuple[list[RunResult], bool]:  # fmt: skip
+            say=_say, restart: bool = False) -> tuple[list[RunResult], bool]:  # fmt: skip
     """Run (or skip) every planned run; returns the results in plan order and whether it was interrupted."""
     results: dict[str, RunResult] = {}
 
@@ -260,7 +265,7 @@ def execute(runs: list[PlannedRun], sweep_dir: Path, res: Resources, status_ever
         while queue or active:
             while queue and (dev := slots.acquire()) is not None:
                 run = queue.pop(0)
-                started = _start(run, dev, sweep_dir, res, say)
+                started = _start(run, dev, sweep_dir, res, say, restart)
                 if isinstance(started, _Active):
                     active[run.name] = started
                     continue
@@ -309,7 +314,7 @@ def execute(runs: list[PlannedRun], sweep_dir: Path, res: Resources, status_ever
     return [results[r.name] for r in runs], interrupted
 
 
-def _start(run: PlannedRun, dev: str, sweep_dir: Path, res: Resources, say) -> _Active | str:
+def _start(run: PlannedRun, dev: str, sweep_dir: Path, res: Resources, say, restart: bool = False) -> _Active | str:
     lock = _lock(run)
     if lock is None:
         say(f"[sweep] BUSY: {run.label} is being run by another process ({run.run_dir})")
@@ -317,7 +322,11 @@ def _start(run: PlannedRun, dev: str, sweep_dir: Path, res: Resources, say) -> _
     if is_done(run.run_dir):  # finished by another process since the plan was made
         os.close(lock)
         return "done"
-    if run.run_dir.exists():
+    ckpt = None if restart or not run.run_dir.exists() else latest_complete(run.run_dir)
+    resume = ["--resume_from_checkpoint", "latest"] if ckpt else []
+    if ckpt:
+        say(f"[sweep] unfinished run resumes from {ckpt}")
+    elif run.run_dir.exists():
         base = sweep_dir / "incomplete" / f"{run.name}.{time.strftime('%Y%m%d-%H%M%S')}"
         base.parent.mkdir(parents=True, exist_ok=True)
         stale, n = base, 0
@@ -327,7 +336,7 @@ def _start(run: PlannedRun, dev: str, sweep_dir: Path, res: Resources, say) -> _
         shutil.move(run.run_dir, stale)
         say(f"[sweep] unfinished run moved aside, restarting from scratch: {stale}")
     log = sweep_dir / "logs" / f"{run.name}.log"
-    cmd = [sys.executable, str(TRAIN_SCRIPT), *run.argv]
+    cmd = [sys.executable, str(TRAIN_SCRIPT), *run.argv, *resume]
     with open(log, "ab") as f:
         f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} device {dev}: {shlex.join(cmd)}\n".encode())
         f.flush()
@@ -391,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children too when the sweep is terminated
     (sweep_dir / "sweep.yaml").write_text(yaml.safe_dump({"argv": argv, **asdict(spec)}, sort_keys=False))
-    results, interrupted = execute(runs, sweep_dir, res, args.status_every, args.log_tail)
+    results, interrupted = execute(runs, sweep_dir, res, args.status_every, args.log_tail,
+                                   restart=args.restart_unfinished)
     paths = write_summary(results, sweep_dir)
     print(summary_table(results) + "\n" + "\n".join(f"{k}: {p}" for k, p in paths.items()), flush=True)
     return 130 if interrupted else 0 if all(r.status == "done" for r in results) else 1

@@ -7,8 +7,6 @@ reward function or a diverged policy. These checks raise instead, naming what fa
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -35,10 +33,3 @@ def check_rewards(rewards: torch.Tensor, names: list[str], completions: list, st
         row, col = where
         raise NumericFault(f"step {step}: reward function {names[col]!r} returned {rewards[row, col].item()} (not a "
                            f"finite number) for completion {row}: {completions[row]!r}")
-
-
-def check_finite(what: str, value, step: int) -> None:
-    """Raise NumericFault when ``value`` (a float or a 0-d tensor) is NaN or infinite."""
-    number = value.item() if isinstance(value, torch.Tensor) else float(value)
-    if not math.isfinite(number):
-        raise NumericFault(f"step {step}: the {what} is {number}")

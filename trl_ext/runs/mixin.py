@@ -11,13 +11,14 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import torch
 
 from trl_ext.runs.checkpoints import RUN_CONFIG, is_complete, mark_complete
-from trl_ext.runs.faults import NumericFault, check_finite
+from trl_ext.runs.faults import NumericFault
 
 STATE_FILE = "trl_ext_state.json"
 
@@ -61,10 +62,9 @@ class CheckpointMixin:
 
     def _get_grad_norm(self, model, grad_norm=None):
         norm = super()._get_grad_norm(model, grad_norm)
-        try:
-            check_finite("gradient norm", norm, self.state.global_step + 1)
-        except NumericFault as e:
-            self.numeric_fault(str(e).split(": ", 1)[1])
+        value = float(norm)
+        if not math.isfinite(value):
+            self.numeric_fault(f"gradient norm is {value}")
         return norm
 
     def numeric_fault(self, what: str) -> None:
