@@ -1,28 +1,34 @@
-"""Step-time overhead of ExtGRPOTrainer (all extensions off) over a vanilla trl.GRPOTrainer.
+"""Whole-step time of ExtGRPOTrainer over a vanilla trl.GRPOTrainer, with TRL's generation and with the fast backend.
 
-Same config, seed, prompts and model; both trainers see the same prompt token ids (the vanilla one gets a
-tokenizer copy that does not append [EOS], which is what ExtGRPOTrainer's `_tokenize_prompts` does).
-Runs alternate vanilla / ours `--rounds` times in one process and compares median step times.
+Same config, seed, prompts and model (builtin, batch 32, 16 generations, 64 tokens, beta 0.02); every trainer sees
+the same prompt token ids (the vanilla one gets a tokenizer copy that does not append [EOS], which is what
+ExtGRPOTrainer's `_tokenize_prompts` does). Each round runs vanilla, ours (``--generation_backend trl``) and fast
+(``--generation_backend fast``) one after the other in one process; a round's ratio is the median step time of the arm
+over vanilla's in that round. Printed: min / median / max of the per-round ratios and the load average.
 
-    uv run python bench/bench_step.py            # prints the ratio ours / vanilla (goal <= 1.03)
+    uv run python bench/bench_step.py            # goals: ours/vanilla <= 1.03, fast/vanilla <= 0.6
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
+import os
 import statistics
 import tempfile
 import time
 
-import torch
-from transformers import AutoTokenizer, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve on shared cores
 
-from environments.stories import load_prompts
-from trl_ext.config import ExtGRPOConfig
-from trl_ext.models import model_source, prepare_tokenizer
-from trl_ext.trainer import ExtGRPOTrainer
+import torch  # noqa: E402
+from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from environments.stories import load_prompts  # noqa: E402
+from trl_ext.config import ExtGRPOConfig  # noqa: E402
+from trl_ext.models import model_source, prepare_tokenizer  # noqa: E402
+from trl_ext.trainer import ExtGRPOTrainer  # noqa: E402
 
 
 class StepTimer(TrainerCallback):
@@ -57,27 +63,45 @@ def run(trainer_cls, config_cls, tokenizer, dataset, steps, warmup, out):
     return timer.times[warmup:]
 
 
+def spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f})"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8, help="measured steps per run")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     source = model_source("builtin")
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(source))
     vanilla_tok = copy.deepcopy(tok)
     vanilla_tok._tokenizer.post_processor = None  # no [EOS] appended, as ExtGRPOTrainer tokenizes prompts
     dataset = load_prompts("builtin", tok, 8, "train", 512, 42)
-    times = {"vanilla": [], "ours": []}
+    arms = {
+        "vanilla": (GRPOTrainer, GRPOConfig, vanilla_tok),
+        "ours": (ExtGRPOTrainer, ExtGRPOConfig, tok),
+        "fast": (ExtGRPOTrainer, functools.partial(ExtGRPOConfig, generation_backend="fast"), tok),
+    }
+    load_before = os.getloadavg()
+    medians = {name: [] for name in arms}
     with tempfile.TemporaryDirectory() as out:
-        for _ in range(args.rounds):
-            times["vanilla"] += run(GRPOTrainer, GRPOConfig, vanilla_tok, dataset, args.steps, args.warmup, out)
-            times["ours"] += run(ExtGRPOTrainer, ExtGRPOConfig, tok, dataset, args.steps, args.warmup, out)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"median step time: vanilla {med['vanilla']:.3f} s, ours {med['ours']:.3f} s "
-          f"({len(times['ours'])} steps each)")  # fmt: skip
-    print(f"ratio ours/vanilla = {med['ours'] / med['vanilla']:.3f}  (goal <= 1.03)")
+        for r in range(args.rounds):
+            for name, (trainer_cls, config_cls, tokenizer) in arms.items():
+                medians[name].append(statistics.median(run(trainer_cls, config_cls, tokenizer, dataset, args.steps,
+                                                           args.warmup, out)))  # fmt: skip
+            print(f"round {r + 1}: " + ", ".join(f"{n} {m[-1]:.3f} s" for n, m in medians.items())
+                  + f" (load {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
+    load_after = os.getloadavg()
+    for name in arms:
+        print(f"step time {name}: {spread(medians[name])} s")
+    for name, goal in (("ours", "<= 1.03"), ("fast", "<= 0.6")):
+        ratios = [a / v for a, v in zip(medians[name], medians["vanilla"], strict=True)]
+        print(f"ratio {name}/vanilla: {spread(ratios)}  (goal {goal}; {args.rounds} rounds)")
+    print(f"{args.steps} steps per run after {args.warmup} warm-up, {args.threads} torch threads, load average "
+          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs")  # fmt: skip
 
 
 if __name__ == "__main__":

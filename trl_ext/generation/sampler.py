@@ -233,6 +233,7 @@ class FastSampler:
         if state.graph is not None and state.graph_rng is rng and state.graph_training == self.model.training:
             return state.graph
         state.pos.fill_(state.prompt_len)
+        rng_state = rng.get_state() if rng is not None else torch.cuda.get_rng_state(state.pos.device)
         side = torch.cuda.Stream(state.pos.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -247,6 +248,10 @@ class FastSampler:
         dtype = torch.get_autocast_dtype("cuda")
         with torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False), torch.cuda.graph(graph):
             self._decode_step(state, params, rng, graphed=True)
+        if rng is not None:  # warm-up and capture drew no sample of this call: same seed, same sample
+            rng.set_state(rng_state)
+        else:
+            torch.cuda.set_rng_state(rng_state, state.pos.device)
         state.graph, state.graph_rng, state.graph_training = graph, rng, self.model.training
         return graph
 
