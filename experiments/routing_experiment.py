@@ -16,6 +16,13 @@ forget_only is the untrained base model).
     uv run python experiments/routing_experiment.py --phase calibrate
     uv run python experiments/routing_experiment.py --phase run --setting head_lr3e-3
     uv run python experiments/routing_experiment.py --phase report --setting head_lr3e-3
+
+Phase ``arms`` (issue 15): routed vs the filter and reward-penalty baseline arms vs the matched plain LoRA, 3 seeds
+each, on a smaller budget (batch 16 = 2 prompts x 8, 32 tokens, 40 steps, lr 3e-3, adapters on the 7 projections
+and the output layer); the table (median and range over seeds) goes to experiments/results/routing_arms.md and the
+routing-eval curves to routing_arms.png (``trl_ext.routing_plots``).
+
+    nice -n 10 uv run python experiments/routing_experiment.py --phase arms
 """
 
 from __future__ import annotations
@@ -149,9 +156,72 @@ def report(out: Path, setting: str, steps: int) -> str:
     return "\n".join(lines)
 
 
+ARM_SEEDS = (1, 2, 3)
+ARM_FLAGS = {  # same reward, lr, beta, budget; the routed run and its baseline arms share the dual (8, 8) adapters
+    "routed": ["--lora_config", "r8", "--gradient_routing", "--routing_mode", "shared", "--routing_two_pass"],
+    "filter": ["--lora_config", "r8", "--filter_baseline"],
+    "reward_penalty": ["--lora_config", "r8", "--reward_penalty_baseline"],
+    "plain_lora": ["--retain_rank", "16", "--forget_rank", "0"],  # matched capacity, alpha 16 = scaling 1
+}
+ARMS_RESULTS = ROOT / "experiments" / "results" / "routing_arms.md"
+
+
+def arm_flags(arm: str, seed: int, steps: int) -> list[str]:
+    return ["--reward", REWARD, "--eval_rewards", f"{TASK},{HACK}", "--model", "builtin", "--no_wandb",
+            "--batch_size", "16", "--num_generations", "8", "--max_completion_length", "32", "--beta", "0.02",
+            "--lr", "3e-3", "--lora_lm_head", "--max_steps", str(steps), "--logging_steps", "10",
+            "--save_steps", str(steps), "--eval_routing_steps", str(max(steps // 4, 1)), "--eval_routing_prompts",
+            "64", "--seed", str(seed), *ARM_FLAGS[arm]]
+
+
+def run_arms(out: Path, steps: int) -> dict[str, list[Path]]:
+    sys.path.insert(0, str(ROOT))
+    from trl_ext.cli_train import build_plan
+
+    dirs = {}
+    for seed in ARM_SEEDS:
+        for arm in ARM_FLAGS:
+            argv = arm_flags(arm, seed, steps) + ["--output_dir", str(out)]
+            target = build_plan(argv).run_dir
+            dirs.setdefault(arm, []).append(target)
+            if (target / "run_summary.json").is_file():
+                continue
+            t0 = time.time()
+            subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+                           env={**os.environ, "OMP_NUM_THREADS": "2"})
+            print(f"[done] {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
+    return dirs
+
+
+def arms_report(dirs: dict[str, list[Path]], steps: int) -> str:
+    from statistics import median
+
+    def cell(values):
+        return f"{median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+    lines = [f"## Routed vs baseline arms vs matched plain LoRA ({len(ARM_SEEDS)} seeds, {steps} steps)", "",
+             f"Flags shared by every arm: `{' '.join(arm_flags('routed', 1, steps)[:-len(ARM_FLAGS['routed'])])}` "
+             "(seed varies); per arm: " + "; ".join(f"{a}: `{' '.join(f)}`" for a, f in ARM_FLAGS.items()) + ".",
+             "Final routing eval on 64 held-out prompts (one sample each, same seed in every mode); median (min-max) "
+             f"over seeds {', '.join(map(str, ARM_SEEDS))}. For the baseline arms and plain LoRA the modes ablate "
+             "adapters that were never routed (plain LoRA has no forget adapter: forget_only is the base model).", "",
+             "| arm | mode | task reward (sentence_length_5) | hack rate (happy detector) | combined reward |",
+             "|---|---|---|---|---|"]
+    for arm, targets in dirs.items():
+        finals = [final_eval(t)["modes"] for t in targets]
+        for mode in ("both", "retain_only", "forget_only"):
+            ms = [f[mode] for f in finals]
+            lines.append(f"| {arm} | {mode} | {cell([m[f'reward/{TASK}'] for m in ms])} | "
+                         f"{cell([m['rh_rate'] for m in ms])} | {cell([m[f'reward/{REWARD}'] for m in ms])} |")
+    walls = [json.loads((t / "run_summary.json").read_text())["wall_s"] for ts in dirs.values() for t in ts]
+    lines += ["", f"Wall time per run: median {median(walls):.0f} s (range {min(walls):.0f}-{max(walls):.0f}), "
+              "one run at a time on the shared 2-core machine (niced)."]
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--phase", choices=["calibrate", "run", "report"], required=True)
+    ap.add_argument("--phase", choices=["calibrate", "run", "report", "arms"], required=True)
     ap.add_argument("--setting", choices=list(SETTINGS), default="head_lr3e-3")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--calibration_steps", type=int, default=40)
@@ -159,6 +229,21 @@ def main():
     args = ap.parse_args()
     out = Path(args.output_dir)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    if args.phase == "arms":
+        steps = 40 if args.steps == 80 else args.steps
+        out = Path(args.output_dir).parent / "routing_arms"
+        dirs = run_arms(out, steps)
+        text = arms_report(dirs, steps)
+        ARMS_RESULTS.write_text("# Gradient routing arms (builtin model)\n\n" + text + "\n")
+        try:
+            from trl_ext.routing_plots import plot_comparison
+
+            plot_comparison({f"{a} s{s}": t for a, ts in dirs.items() for s, t in zip(ARM_SEEDS, ts)},
+                            ARMS_RESULTS.with_suffix(".png"), metrics=(f"reward/{TASK}", "rh_rate"))
+        except ImportError:
+            print("trl_ext.routing_plots not available: no plot", flush=True)
+        print(text)
+        return
     if args.phase == "calibrate":
         text = calibrate(out, args.calibration_steps)
         (out / "calibration.md").write_text(text + "\n")

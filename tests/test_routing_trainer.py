@@ -335,6 +335,7 @@ def test_routing_eval_logs_everywhere_and_restores(tiny, tmp_path, capsys):
     trainer.train()
     records = read_records(tmp_path)
     assert [r["step"] for r in records] == [2, 3]  # every 2 steps and once at the end
+    assert (tmp_path / "routing_eval.png").read_bytes()[:4] == b"\x89PNG"  # the per-mode curves, redrawn each eval
     keys = {"reward/n_chars", "rh_rate", "unique_frac", "mean_jaccard"}
     for r in records:
         assert r["rh_detector"] == "odd" and r["n_prompts"] == 6

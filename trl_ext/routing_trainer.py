@@ -36,6 +36,7 @@ from trl_ext.routing import (
 from trl_ext.routing_advantages import prompt_hackable, routed_advantages
 from trl_ext.routing_args import RoutingArgs, check_run_routing, dual_lora_tag  # noqa: F401 (re-exported)
 from trl_ext.routing_eval import append_record, format_results, routing_eval
+from trl_ext.routing_plots import plot_modes
 from trl_ext.routing_trace import append_trace, trace_fires, trace_records
 from trl_ext.routing_step import rh_eligible_mask, routing_labels, single_pass_backward, two_pass_backward
 
@@ -312,6 +313,8 @@ class RoutingMixin:
                 print(line, flush=True)
             append_record(self.args.output_dir, {"step": step, "rh_detector": self.rh_detector_name,
                                                  "n_prompts": len(self.routing_eval_prompts), "modes": results})
+            metrics = [f"reward/{next(iter(self.routing_eval_rewards))}"] + ["rh_rate"] * (self.rh_detector is not None)
+            plot_modes(self.args.output_dir, Path(self.args.output_dir) / "routing_eval.png", metrics)
         for mode, metrics in results.items():
             for key, value in metrics.items():
                 self._metrics["train"][f"routing_eval/{mode}/{key}"].append(value)
