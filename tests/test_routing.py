@@ -167,7 +167,7 @@ def test_apply_dual_lora_layers_groups_and_tied_head():
     assert sum(p.numel() for p in model.parameters() if not p.requires_grad) == n_base
     model(torch.randint(0, 32, (2, 5))).logits.sum().backward()
     assert model.model.embed_tokens.weight.grad is None
-    with pytest.raises(ValueError, match="already has DualLoRA"):
+    with pytest.raises(ValueError, match="already has dual adapters"):
         apply_dual_lora(model, 2, 3, 4.0)
 
 
@@ -256,7 +256,7 @@ def test_scales_context_restores_on_exception():
     assert {(m.retain_scale, m.forget_scale) for m in dual_lora_modules(model)} == {(0.5, 2.0)}
     with pytest.raises(ValueError, match="finite"):
         set_scales(model, math.nan, 1.0)
-    with pytest.raises(ValueError, match="no DualLoRALinear"):
+    with pytest.raises(ValueError, match="no DualLoRALinear or DualMLPAdapter"):
         set_scales(nn.Linear(2, 2), 1, 1)
 
 
@@ -280,3 +280,29 @@ def test_lm_head_adapter_trains_through_trl_fused_head():
     with routing_mask(model, torch.tensor([True, False, True]), "shared"):
         with pytest.raises(RuntimeError, match="merged weight cannot route"):
             model(input_ids=ids, labels=ids, fused_lm_head=True)
+
+
+def test_dual_mlp_adapter_forward_by_hand():
+    """y = mlp(x) + s_r down_r(silu(gate_r x) * up_r x) + s_f down_f(...), with hand-set weights."""
+    from trl_ext.routing_mlp import DualMLPAdapter
+
+    base = nn.Linear(2, 2, bias=False).to(D)
+    with torch.no_grad():
+        base.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
+    ad = DualMLPAdapter(base, 2, 1, 1)
+    assert torch.equal(ad.retain_down, torch.zeros(2, 1, dtype=D)) and not base.weight.requires_grad
+    with torch.no_grad():
+        ad.retain_gate.copy_(torch.tensor([[1.0, 1.0]])); ad.retain_up.copy_(torch.tensor([[2.0, 0.0]]))
+        ad.retain_down.copy_(torch.tensor([[1.0], [0.0]]))
+        ad.forget_gate.copy_(torch.tensor([[0.0, 1.0]])); ad.forget_up.copy_(torch.tensor([[0.0, 1.0]]))
+        ad.forget_down.copy_(torch.tensor([[0.0], [3.0]]))
+    x = torch.tensor([[1.0, 2.0]], dtype=D)
+    silu = lambda v: v / (1 + math.exp(-v))  # noqa: E731
+    r = silu(3.0) * 2.0  # gate_r x = 3, up_r x = 2
+    f = silu(2.0) * 2.0  # gate_f x = 2, up_f x = 2
+    expect = torch.tensor([[1.0 + r, 4.0 + 3 * f]], dtype=D)
+    torch.testing.assert_close(ad(x), expect, rtol=0, atol=1e-12)
+    ad.retain_scale, ad.forget_scale = 1.0, 0.0
+    torch.testing.assert_close(ad(x), torch.tensor([[1.0 + r, 4.0]], dtype=D), rtol=0, atol=1e-12)
+    assert [n for n, _ in ad.adapter_named_parameters()] == [
+        "retain_gate", "retain_up", "retain_down", "forget_gate", "forget_up", "forget_down"]

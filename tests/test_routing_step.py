@@ -20,12 +20,17 @@ PATTERNS = {  # is_bad per sample
 }
 
 
-def make_model(**ckpt) -> LlamaForCausalLM:
+def make_model(adapter="lora", **ckpt) -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=32, max_position_embeddings=32, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg).to(D)
-    apply_dual_lora(model, 2, 3, 4.0, include_lm_head=True)
+    if adapter == "mlp":
+        from trl_ext.routing_mlp import apply_dual_mlp
+
+        apply_dual_mlp(model, 2, 3)
+    else:
+        apply_dual_lora(model, 2, 3, 4.0, include_lm_head=True)
     with torch.no_grad():  # nonzero B everywhere: gradients also flow through other layers' adapters
         for p in retain_params(model) + forget_params(model):
             p.normal_(0, 0.3)
@@ -70,15 +75,15 @@ def max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def run(step, pattern, mode, model=None):
-    model = make_model() if model is None else model
+def run(step, pattern, mode, model=None, adapter="lora"):
+    model = make_model(adapter) if model is None else model
     loss = step(make_loss_fn(model), make_batch(), torch.tensor(PATTERNS[pattern]), model, mode)
     return loss, grads(retain_params(model)), grads(forget_params(model))
 
 
-def definition_grads(mode, pattern):
+def definition_grads(mode, pattern, adapter="lora"):
     """Routed gradients from their definition: autograd.grad of each subset's share of the loss."""
-    model, is_bad = make_model(), torch.tensor(PATTERNS[pattern])
+    model, is_bad = make_model(adapter), torch.tensor(PATTERNS[pattern])
     loss_fn, batch = make_loss_fn(model), make_batch()
     params = retain_params(model) + forget_params(model)
     share = {}
@@ -109,12 +114,13 @@ def test_two_pass_shared_equals_full_batch_gradient(pattern):
     assert abs(loss.item() - make_loss_fn(model)(make_batch()).item()) <= 1e-12
 
 
+@pytest.mark.parametrize("adapter", ["lora", "mlp"])
 @pytest.mark.parametrize("mode", ["shared", "exclusive"])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_single_pass_equals_two_pass(mode, pattern):
-    _, _, retain_def, forget_def = definition_grads(mode, pattern)
-    loss2, r2, f2 = run(two_pass_backward, pattern, mode)
-    loss1, r1, f1 = run(single_pass_backward, pattern, mode)
+def test_single_pass_equals_two_pass(mode, pattern, adapter):
+    _, _, retain_def, forget_def = definition_grads(mode, pattern, adapter)
+    loss2, r2, f2 = run(two_pass_backward, pattern, mode, adapter=adapter)
+    loss1, r1, f1 = run(single_pass_backward, pattern, mode, adapter=adapter)
     assert max_diff(r1, r2) <= 1e-10 and max_diff(f1, f2) <= 1e-10
     assert max_diff(r1, retain_def) <= 1e-10 and max_diff(f1, forget_def) <= 1e-10
     assert abs(loss1.item() - loss2.item()) <= 1e-12

@@ -170,8 +170,12 @@ def test_base_reward_labels_and_advantages_in_the_trainer(tiny, tmp_path, overri
         assert any(pays) and not all(pays)
 
 
+MLP = {"adapter_type": "mlp", "lora_config": None, "mlp_config": "m5"}
+
+
+@pytest.mark.parametrize("adapter", [{}, MLP], ids=["lora", "mlp"])
 @pytest.mark.parametrize("mode, flag_all, zero_side", [("shared", True, "retain"), ("exclusive", False, "forget")])
-def test_routed_away_side_gets_exactly_zero_gradient(tiny, tmp_path, mode, flag_all, zero_side):
+def test_routed_away_side_gets_exactly_zero_gradient(tiny, tmp_path, mode, flag_all, zero_side, adapter):
     grads = {}
 
     class Grab(TrainerCallback):
@@ -180,7 +184,7 @@ def test_routed_away_side_gets_exactly_zero_gradient(tiny, tmp_path, mode, flag_
             grads["forget"] = [p.grad.clone() for p in forget_params(model)]
 
     trainer = make_trainer(tiny, tmp_path, detector=lambda ts: [flag_all] * len(ts), callbacks=[Grab()],
-                           routing_mode=mode, max_steps=1)
+                           routing_mode=mode, max_steps=1, **adapter)
     trainer.train()
     other = "forget" if zero_side == "retain" else "retain"
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads[zero_side])
@@ -330,6 +334,25 @@ def test_trace_eval_at_start_and_training_quadrants(tiny, tmp_path):
                           for h in logged)
 
 
+@pytest.mark.parametrize("adapter_only", [False, True])
+def test_mlp_adapter_checkpoints_reload(tiny, tmp_path, adapter_only):
+    from trl_ext.routing_mlp import DualMLPAdapter
+
+    trainer = make_trainer(tiny, tmp_path, max_steps=2, save_strategy="steps", save_steps=2,
+                           save_adapter_only=adapter_only, eval_routing_steps=2, **MLP)
+    trainer.train()
+    assert [type(layer.mlp) for layer in trainer.model.model.layers] == [DualMLPAdapter] * 2
+    layout, mode = load_layout(tmp_path / "checkpoint-2")
+    assert (layout.adapter_type, layout.retain_rank, layout.forget_rank, layout.targets) == ("mlp", 5, 5, ("mlp",))
+    model = load_dual_lora_checkpoint(tmp_path / "checkpoint-2")
+    ids = torch.randint(2, 100, (2, 6))
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, trainer.model(ids).logits)
+    assert model.model.layers[0].mlp.forget_down.abs().max() > 0  # trained, not a fresh init
+    assert [r["step"] for r in read_records(tmp_path)] == [2]  # the routing eval ablates MLP adapters too
+
+
 def test_routing_eval_logs_everywhere_and_restores(tiny, tmp_path, capsys):
     trainer = make_trainer(tiny, tmp_path, max_steps=3, eval_routing_steps=2, logging_steps=100)
     trainer.train()
@@ -433,6 +456,11 @@ def no_training(monkeypatch):
     (["--reward", "sentence_length_5_with_happy", "--retain_penalty_baseline"], "--base_reward"),
     (["--reward", "happy_binary", "--filter_baseline"], "--filter_baseline needs an RH detector"),
     (["--reward", "happy_binary", "--save_adapter_only"], "--save_adapter_only needs a dual LoRA config"),
+    ([*ROUTED, "--adapter_type", "mlp", "--lora_config", "r8"], "--lora_config/--lora_lm_head are LoRA flags"),
+    ([*ROUTED, "--adapter_type", "mlp"], "--adapter_type mlp needs --mlp_config"),
+    ([*ROUTED, "--mlp_config", "m16"], "--mlp_config needs --adapter_type mlp"),
+    ([*ROUTED, "--adapter_type", "mlp", "--mlp_config", "m7"], "unknown --mlp_config 'm7'"),
+    ([*ROUTED, "--adapter_type", "mlp", "--mlp_config", "m16", "--lora_alpha", "8"], "--lora_alpha does not apply"),
     (["--reward", "happy_binary", "--eval_at_start"], "--eval_at_start needs the routing eval"),
     ([*ROUTED, "--lora_config", "r8", "--routing_trace_interval", "always"], "unknown --routing_trace_interval"),
     (["--reward", "happy_binary", "--routing_trace_interval", "every_iter"], "needs an RH detector"),
@@ -461,6 +489,8 @@ def test_dual_lora_run_names(tmp_path):
     assert routed.run_dir.name.startswith("sentence_length_5_with_happy_builtin_lr1e-5_b0.02_bs32_ng16_dual_r32f16_")
     baseline = cli.build_plan([*base, "--retain_rank", "8", "--forget_rank", "0"])
     assert "_dual_r8f0_st2000_s42" in baseline.run_dir.name and not baseline.cfg.gradient_routing
+    mlp = cli.build_plan([*base, *ROUTED[2:], "--adapter_type", "mlp", "--mlp_config", "m24f8"])
+    assert "_mlp_n24f8_st2000_s42_adapter_typemlp_" in mlp.run_dir.name and mlp.cfg.adapter_ranks == (24, 8)
     detector = cli.build_plan([*base, *ROUTED[2:], "--lora_config", "r8", "--rh_detector", "happy_repeated"])
     assert detector.cfg.rh_detector == "happy_repeated"
     assert json.loads(json.dumps(routed.cfg.adapter_ranks)) == [32, 16]

@@ -104,8 +104,25 @@ def _rank_mask(x: torch.Tensor, masks: list, ranks: list[int], dt: torch.dtype) 
     return _cat(cols, 1).reshape(n, *([1] * (x.dim() - 2)), -1)
 
 
-class DualLoRALinear(nn.Module):
+class DualAdapter(nn.Module):
+    """A module with a retain and a forget adapter: ``retain_scale``/``forget_scale`` (inference ablation),
+    ``retain_grad_mask``/``forget_grad_mask`` (per-sample routing, set by ``routing_step.routing_mask``) and its
+    adapter parameters by side. DualLoRALinear here; DualMLPAdapter in routing_mlp.py."""
+
+    def adapter_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name local to this module, parameter) of both adapters, retain first."""
+        raise NotImplementedError
+
+    def side_parameters(self, side: str) -> list[nn.Parameter]:
+        return [p for n, p in self.adapter_named_parameters() if n.startswith(f"{side}_")]
+
+
+class DualLoRALinear(DualAdapter):
     """``nn.Linear`` plus a retain and a forget LoRA adapter (see the module docstring)."""
+
+    def adapter_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(f"{side}_{m}", getattr(self, f"{side}_{m}")) for side in _SIDES for m in "AB"
+                if getattr(self, f"{side}_{m}") is not None]
 
     def __init__(self, base_layer: nn.Linear, retain_rank: int, forget_rank: int, alpha: float):
         super().__init__()
@@ -199,6 +216,7 @@ class DualLoRALayout:
     layer_end: int
     layer_stride: int
     include_lm_head: bool
+    adapter_type: str = "lora"  # "mlp": DualMLPAdapter on each layer's MLP (ranks = neurons; alpha unused)
 
     @property
     def layers(self) -> list[int]:
@@ -210,6 +228,7 @@ class DualLoRALayout:
     @classmethod
     def from_dict(cls, d: dict) -> DualLoRALayout:
         names = {f.name for f in fields(cls)}
+        d = {"adapter_type": "lora", **d}  # layouts written before MLP adapters existed are LoRA
         if set(d) != names:
             raise ValueError(f"dual LoRA layout: missing {sorted(names - set(d))}, unknown {sorted(set(d) - names)}")
         return cls(**{**d, "targets": tuple(d["targets"])})
@@ -222,6 +241,13 @@ class DualLoRALayout:
         return cls.from_dict(json.loads(text))
 
     def apply(self, model: nn.Module) -> DualLoRALayout:
+        if self.adapter_type == "mlp":
+            from trl_ext.routing_mlp import apply_dual_mlp
+
+            return apply_dual_mlp(model, self.retain_rank, self.forget_rank, self.layer_start, self.layer_end,
+                                  self.layer_stride)
+        if self.adapter_type != "lora":
+            raise ValueError(f"unknown adapter_type {self.adapter_type!r} in a dual adapter layout")
         return apply_dual_lora(model, self.retain_rank, self.forget_rank, self.alpha, self.layer_start,
                                self.layer_end, self.layer_stride, self.targets, self.include_lm_head)
 
@@ -254,17 +280,18 @@ def load_layout(directory: str | Path) -> tuple[DualLoRALayout, str | None]:
 
 def base_fingerprint(model: nn.Module) -> list[float]:
     """(sum, sum of squares) over the frozen base weights in float64: tells a changed base model apart."""
+    adapters = {id(p) for m in model.modules() if isinstance(m, DualAdapter) for _, p in m.adapter_named_parameters()}
     s = q = 0.0
-    for name, p in sorted(model.named_parameters(remove_duplicate=True)):
-        if not any(name.endswith(f"{side}_{m}") for side in _SIDES for m in "AB"):
+    for _, p in sorted(model.named_parameters(remove_duplicate=True)):
+        if id(p) not in adapters:
             s, q = s + p.detach().double().sum().item(), q + p.detach().double().square().sum().item()
     return [s, q]
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter weights of a dual LoRA model (what an adapter-only checkpoint holds)."""
-    return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()
-            if any(n.endswith(f"{side}_{m}") for side in _SIDES for m in "AB")}
+    """The adapter weights of a dual adapter model, by state-dict key (what an adapter-only checkpoint holds)."""
+    return {f"{name}.{local}": p.detach().cpu().contiguous() for name, m in model.named_modules()
+            if isinstance(m, DualAdapter) for local, p in m.adapter_named_parameters()}
 
 
 def apply_dual_lora(
@@ -289,8 +316,8 @@ def apply_dual_lora(
         raise ValueError(f"bad layer range start={layer_start} end={layer_end} stride={layer_stride} for {n} layers")
     if not targets or len(set(targets)) != len(targets):
         raise ValueError(f"targets must be non-empty and distinct, got {targets}")
-    if any(isinstance(m, DualLoRALinear) for m in model.modules()):
-        raise ValueError("the model already has DualLoRA adapters")
+    if any(isinstance(m, DualAdapter) for m in model.modules()):
+        raise ValueError("the model already has dual adapters")
     sites = []  # (parent, attribute); all found before anything is changed
     for i in range(layer_start, end, layer_stride):
         for target in targets:
@@ -317,19 +344,20 @@ def apply_dual_lora(
                           include_lm_head)
 
 
-def dual_lora_modules(model: nn.Module) -> list[DualLoRALinear]:
-    mods = [m for m in model.modules() if isinstance(m, DualLoRALinear)]
+def dual_lora_modules(model: nn.Module) -> list[DualAdapter]:
+    """Every dual adapter module (DualLoRALinear or DualMLPAdapter) of ``model``."""
+    mods = [m for m in model.modules() if isinstance(m, DualAdapter)]
     if not mods:
-        raise ValueError(f"{type(model).__name__} has no DualLoRALinear modules")
+        raise ValueError(f"{type(model).__name__} has no DualLoRALinear or DualMLPAdapter modules")
     return mods
 
 
 def retain_params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for m in dual_lora_modules(model) for p in (m.retain_A, m.retain_B) if p is not None]
+    return [p for m in dual_lora_modules(model) for p in m.side_parameters("retain")]
 
 
 def forget_params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for m in dual_lora_modules(model) for p in (m.forget_A, m.forget_B) if p is not None]
+    return [p for m in dual_lora_modules(model) for p in m.side_parameters("forget")]
 
 
 def set_scales(model: nn.Module, retain: float, forget: float) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from trl_ext.registry import ConfigError
 from trl_ext.routing import check_routing_mode
+from trl_ext.routing_mlp import MLP_PRESETS
 from trl_ext.routing_advantages import RENORMALIZATION_MODES, baseline_arm
 from trl_ext.routing_trace import TRACE_INTERVALS
 from trl_ext.routing_step import SAMPLE_MEAN_LOSS_TYPES, _check_frac, resolve_adapter_ranks, resolve_dual_lora_alpha
@@ -27,6 +28,11 @@ class RoutingArgs:
     lora_config: str | None = field(default=None, metadata={
         "help": "Dual LoRA preset naming (retain, forget) ranks and alpha, as small-rl: r8 = (8, 8), alpha 8; "
                 "r32f4 = (32, 4), alpha 32 (scaling 1 and 8). An explicit --lora_alpha overrides the preset's."})
+    adapter_type: str = field(default="lora", metadata={
+        "help": "'lora': dual LoRA on the 7 projections; 'mlp': a dual mini-SwiGLU adapter beside each layer's MLP "
+                "(small-rl DualMLPAdapter; --mlp_config or --retain_rank/--forget_rank give the neurons)."})
+    mlp_config: str | None = field(default=None, metadata={
+        "help": "MLP adapter preset naming (retain, forget) neurons, as small-rl: m16 = (16, 16), m24f8 = (24, 8)."})
     retain_rank: int | None = field(default=None, metadata={"help": "Retain adapter rank (with --forget_rank)."})
     forget_rank: int | None = field(default=None, metadata={
         "help": "Forget adapter rank (with --retain_rank); 0 without routing = one plain LoRA (the matched baseline)."})
@@ -94,10 +100,14 @@ class RoutingArgs:
 
     @property
     def dual_lora(self) -> bool:
-        return (self.lora_config, self.retain_rank, self.forget_rank) != (None, None, None)
+        """Whether the run has dual adapters (LoRA or MLP)."""
+        return (self.lora_config, self.mlp_config, self.retain_rank, self.forget_rank) != (None, None, None, None)
 
     @property
     def adapter_ranks(self) -> tuple[int, int]:
+        if self.adapter_type == "mlp":
+            return resolve_adapter_ranks(self.mlp_config, self.retain_rank, self.forget_rank,
+                                         routing=self.gradient_routing, presets=MLP_PRESETS, flag="--mlp_config")
         return resolve_adapter_ranks(self.lora_config, self.retain_rank, self.forget_rank,
                                      routing=self.gradient_routing)
 
@@ -128,8 +138,20 @@ class RoutingArgs:
         if self.label_noise_frac is not None:
             raise ConfigError("--label_noise_frac was removed (it flipped labels in both directions); use "
                               "--false_positive_rate, which flags unflagged eligible completions only (small-rl)")
+        if self.adapter_type not in ("lora", "mlp"):
+            raise ConfigError(f"--adapter_type must be lora or mlp, got {self.adapter_type!r}")
+        if self.adapter_type == "mlp":
+            if self.lora_config is not None or self.lora_lm_head:
+                raise ConfigError("--lora_config/--lora_lm_head are LoRA flags: with --adapter_type mlp use "
+                                  "--mlp_config or --retain_rank/--forget_rank (neurons)")
+            if not self.dual_lora:
+                raise ConfigError("--adapter_type mlp needs --mlp_config or --retain_rank/--forget_rank")
+            if self.teacher_tau or self.student_tau:
+                raise ConfigError("MLP adapters do not combine with distillation (its teacher is the LoRA policy)")
+        elif self.mlp_config is not None:
+            raise ConfigError("--mlp_config needs --adapter_type mlp")
         if self.dual_lora:
-            resolve_adapter_ranks(self.lora_config, self.retain_rank, self.forget_rank, routing=self.gradient_routing)
+            self.adapter_ranks  # noqa: B018 (validates the preset / ranks)
         elif self.lora_layer_start != 0 or self.lora_layer_end is not None or self.lora_layer_stride != 1 \
                 or self.lora_lm_head:
             raise ConfigError("--lora_layer_*/--lora_lm_head need a dual LoRA config (--lora_config or "
@@ -221,7 +243,9 @@ def check_run_routing(run, cfg, reward_config) -> str | None:
     if cfg.dual_lora and run.lora_rank:
         raise ConfigError("--lora_rank (PEFT LoRA) and a dual LoRA config (--lora_config/--retain_rank/--forget_rank) "
                           "exclude each other; the matched-capacity baseline of a routed run is either alone")
-    if cfg.dual_lora:
+    if cfg.adapter_type == "mlp" and run.lora_alpha_explicit:
+        raise ConfigError("--lora_alpha does not apply to MLP adapters (they have no scaling)")
+    if cfg.dual_lora and cfg.adapter_type == "lora":
         cfg.dual_lora_alpha = resolve_dual_lora_alpha(cfg.lora_config, run.lora_alpha, run.lora_alpha_explicit)
     if cfg.base_reward is not None:
         reward_config.reward(cfg.base_reward)  # raises ConfigError listing the bound rewards
@@ -242,6 +266,8 @@ def dual_lora_tag(cfg) -> str | None:
     --lora_alpha replaces a preset's own alpha (the name must differ from the preset's run)."""
     if not cfg.dual_lora:
         return None
+    if cfg.adapter_type == "mlp":
+        return "mlp_n{}f{}".format(*cfg.adapter_ranks)
     tag = "dual_r{}f{}".format(*cfg.adapter_ranks)
     alpha = cfg.dual_lora_alpha
     if cfg.lora_config is not None and alpha is not None and alpha != resolve_dual_lora_alpha(cfg.lora_config, 0, False):

@@ -59,16 +59,19 @@ LORA_PRESETS = {
 
 
 def resolve_adapter_ranks(
-    preset: str | None, retain_rank: int | None, forget_rank: int | None, *, routing: bool
+    preset: str | None, retain_rank: int | None, forget_rank: int | None, *, routing: bool,
+    presets: dict | None = None, flag: str = "--lora_config",
 ) -> tuple[int, int]:
-    """(retain_rank, forget_rank) from a ``--lora_config`` preset or from both explicit ranks."""
+    """(retain_rank, forget_rank) from a preset (``presets``, default LORA_PRESETS, named by ``flag``) or from
+    both explicit ranks."""
+    presets = LORA_PRESETS if presets is None else presets
     explicit = (retain_rank, forget_rank)
     if preset is not None:
         if explicit != (None, None):
-            raise ConfigError(f"give either --lora_config ({preset!r}) or --retain_rank/--forget_rank, not both")
-        if preset not in LORA_PRESETS:
-            raise ConfigError(f"unknown --lora_config {preset!r}; presets: {', '.join(LORA_PRESETS)}")
-        ranks = LORA_PRESETS[preset][:2]
+            raise ConfigError(f"give either {flag} ({preset!r}) or --retain_rank/--forget_rank, not both")
+        if preset not in presets:
+            raise ConfigError(f"unknown {flag} {preset!r}; presets: {', '.join(presets)}")
+        ranks = tuple(presets[preset][:2])
     elif None in explicit:
         raise ConfigError("dual LoRA needs --lora_config or both --retain_rank and --forget_rank")
     else:

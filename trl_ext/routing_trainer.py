@@ -30,7 +30,7 @@ from trl import GRPOTrainer
 
 from trl_ext.registry import ConfigError
 from trl_ext.routing import (
-    ADAPTER_FILENAME, DualLoRALayout, DualLoRALinear, adapter_state, adapters_disabled, apply_dual_lora,
+    ADAPTER_FILENAME, DualAdapter, DualLoRALayout, adapter_state, adapters_disabled, apply_dual_lora,
     base_fingerprint, forget_params, retain_params, save_layout,
 )
 from trl_ext.routing_advantages import prompt_hackable, routed_advantages
@@ -44,7 +44,8 @@ TextDetector = Callable[[list[str]], list[bool]]
 
 
 def build_dual_lora_model(model_path: str, cfg, alpha: float) -> tuple[nn.Module, DualLoRALayout]:
-    """Load ``model_path`` as GRPOTrainer would (``model_init_kwargs``) and wrap it with dual LoRA."""
+    """Load ``model_path`` as GRPOTrainer would (``model_init_kwargs``) and wrap it with dual LoRA or MLP adapters
+    (``alpha``: LoRA only)."""
     from trl.trainer.utils import create_model_from_path
 
     kwargs = dict(cfg.model_init_kwargs or {})
@@ -53,8 +54,13 @@ def build_dual_lora_model(model_path: str, cfg, alpha: float) -> tuple[nn.Module
         kwargs["device_map"] = None
     model = create_model_from_path(model_path, **kwargs)
     retain, forget = cfg.adapter_ranks
-    layout = apply_dual_lora(model, retain, forget, alpha, cfg.lora_layer_start, cfg.lora_layer_end,
-                             cfg.lora_layer_stride, include_lm_head=cfg.lora_lm_head)
+    if cfg.adapter_type == "mlp":
+        from trl_ext.routing_mlp import apply_dual_mlp
+
+        layout = apply_dual_mlp(model, retain, forget, cfg.lora_layer_start, cfg.lora_layer_end, cfg.lora_layer_stride)
+    else:
+        layout = apply_dual_lora(model, retain, forget, alpha, cfg.lora_layer_start, cfg.lora_layer_end,
+                                 cfg.lora_layer_stride, include_lm_head=cfg.lora_lm_head)
     if cfg.gradient_checkpointing:
         model.enable_input_require_grads()  # frozen embeddings: reentrant checkpointing needs a grad input
     return model, layout
@@ -136,10 +142,10 @@ class RoutingMixin:
         model, cfg = named.get("model"), named.get("args")
         if not isinstance(cfg, RoutingArgs):
             raise TypeError(f"args must be an ExtGRPOConfig (with RoutingArgs), got {type(cfg).__name__}")
-        dual = isinstance(model, nn.Module) and any(isinstance(m, DualLoRALinear) for m in model.modules())
+        dual = isinstance(model, nn.Module) and any(isinstance(m, DualAdapter) for m in model.modules())
         if dual != cfg.dual_lora:
             raise ValueError(f"the config {'asks for' if cfg.dual_lora else 'has no'} dual LoRA but the model "
-                             f"{'has' if dual else 'has no'} DualLoRALinear modules "
+                             f"{'has' if dual else 'has no'} dual adapter modules "
                              "(build it with build_dual_lora_model)")
         if dual and dual_lora_layout is None:
             raise ValueError("a dual LoRA model needs dual_lora_layout (saved with every checkpoint)")
