@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -270,3 +271,46 @@ def test_sft_mode_resumes_exactly(tmp_path):
             assert math.isclose(resumed[step][key], ref[step][key], rel_tol=0, abs_tol=1e-6), (step, key)
     assert "RESUMED from" in (run_dir / "train.log").read_text()
     assert json.loads((run_dir / "run_summary.json").read_text())["status"] == "done"
+
+
+@pytest.mark.slow
+def test_distillation_rollouts_carry_the_teacher_and_student_sums(tmp_path):
+    """Saved sums reproduce the full-reward advantage R - mean_group(R), R = task + 0.5 T - 0.25 S (distill.py)."""
+    train(tmp_path, *BASE, "--max_steps", "1", "--model", "builtin_mood", "--teacher_model", "builtin_mood",
+          "--teacher_context", "A happy story.", "--teacher_tau", "0.5", "--student_tau", "0.25", "--save_rollouts")
+    ro = load_rollouts(next(tmp_path.iterdir())).to_pandas()
+    assert (ro["teacher_logprob_sum"] < 0).all() and (ro["student_logprob_sum"] < 0).all()
+    assert not ro["teacher_logprob_sum"].equals(ro["student_logprob_sum"])
+    full = ro["reward"] + 0.5 * ro["teacher_logprob_sum"] - 0.25 * ro["student_logprob_sum"]
+    expected = full - full.groupby(ro["group"]).transform("mean")
+    assert (expected - ro["advantage"]).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_environment_rollouts_keep_turn_boundaries(tmp_path):
+    train(tmp_path, "--env", "frozenlake", "--model", "builtin_env", "--max_turns", "3", "--batch_size", "8",
+          "--num_generations", "4", "--max_completion_length", "96", "--max_steps", "1", "--no_wandb",
+          "--save_rollouts")  # fmt: skip
+    ro = load_rollouts(next(tmp_path.iterdir()))
+    assert len(ro) == 8
+    multi = 0
+    for row in ro:
+        sources = [s["source"] for s in row["segments"]]
+        assert sources[0] == "agent" and all(a != b for a, b in zip(sources, sources[1:]))  # turns alternate
+        multi += "env" in sources
+        assert row["reward"] == row["reward/env_reward"]
+    assert multi > 0  # some episodes went on after the first answer: their env replies are their own segments
+
+
+@pytest.mark.slow
+def test_resumed_run_continues_its_wandb_run_offline(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc key: wandb logs offline
+    flags = [f for f in BASE if f != "--no_wandb"] + ["--max_steps", "4"]
+    train(tmp_path / "out", *flags)
+    (run_dir,) = (tmp_path / "out").iterdir()
+    for p in (run_dir / "checkpoint-4", run_dir / "run_summary.json"):  # as if killed after checkpoint 2
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    train(tmp_path / "out", *flags, "--resume_from_checkpoint", "latest")
+    run_id = (run_dir / "wandb_run_id").read_text()
+    assert len(run_id) == 8 and len(list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))) == 2

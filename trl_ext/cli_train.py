@@ -9,6 +9,7 @@ import os
 import shlex
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,9 +151,7 @@ def setup_wandb(plan: Plan) -> None:
     if plan.resume is not None and id_file.is_file():
         run_id = id_file.read_text().strip()
     else:
-        import wandb
-
-        run_id = wandb.util.generate_id()
+        run_id = uuid.uuid4().hex[:8]  # wandb's own id format: 8 characters of [0-9a-z]
         id_file.write_text(run_id)
     os.environ["WANDB_RUN_ID"] = run_id
     os.environ["WANDB_RESUME"] = "allow"

@@ -42,6 +42,7 @@ from trl.trainer.utils import pad
 from trl_ext.distill import DistillConfig, build_teacher_inputs, distill_advantages, distill_metrics, encode_context
 from trl_ext.distill import chat_teacher_prompt, teacher_batch, teacher_logprobs, teacher_messages, token_kl_bonus
 from trl_ext.registry import ConfigError
+from trl_ext.runs.rollouts import masked_sums
 
 OFFPOLICY_ADV_TAU = 1.0
 """The off-policy loss's advantage weight while distilling: adv_tau is already inside the advantages."""
@@ -271,6 +272,10 @@ class DistillMixin:
         task, self._distill_task = self._distill_task, None
         result = distill_advantages(task, lp_teacher, lp_student, mask, cfg, group)
         batch["advantages"] = result.advantages.to(batch["advantages"].dtype)
+        columns = getattr(self, "rollout_columns", {})  # ExtGRPOTrainer's per-sample values for --save_rollouts
+        for name, lp in (("teacher_logprob_sum", lp_teacher), ("student_logprob_sum", lp_student)):
+            if lp is not None:
+                columns[name] = masked_sums(lp, mask)
         if result.token_level:
             if lp_teacher is not None:
                 batch["distill_lp_teacher"] = lp_teacher

@@ -103,17 +103,18 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
 
     def write_rollouts(self, batch: dict[str, Any], eval_values: dict[str, list]) -> None:
         """Write this batch's samples to ``{run_dir}/rollouts/`` (schema: `trl_ext.runs.rollouts`)."""
-        decode = lambda ids: self.processing_class.decode(ids, skip_special_tokens=True)  # noqa: E731
-        mask = batch["completion_mask"]
+        tok, mask = self.processing_class, batch["completion_mask"]
         trained = mask if "tool_mask" not in batch else mask * batch["tool_mask"]
         n = mask.size(0)
-        prompts, completions, segments = [], [], []
-        for i in range(n):
-            prompts.append(decode(batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()))
-            keep = mask[i].bool()
-            ids = batch["completion_ids"][i][keep].tolist()
-            completions.append(decode(ids))
-            segments.append(rollouts.split_segments(ids, trained[i][keep].tolist(), decode))
+        rows = lambda ids, m: [r[k].tolist() for r, k in zip(ids, m.bool(), strict=True)]  # noqa: E731
+        prompts = tok.batch_decode(rows(batch["prompt_ids"], batch["prompt_mask"]), skip_special_tokens=True)
+        ids = rows(batch["completion_ids"], mask)
+        completions = tok.batch_decode(ids, skip_special_tokens=True)
+        if "tool_mask" in batch:  # turn boundaries of environment transcripts
+            decode = lambda x: tok.decode(x, skip_special_tokens=True)  # noqa: E731
+            segments = [rollouts.split_segments(i, t, decode) for i, t in zip(ids, rows(trained, mask), strict=True)]
+        else:
+            segments = [[{"source": "agent", "text": text}] for text in completions]
         rewards = self._local_rewards
         weights = self.reward_weights.to(rewards.device)
         cols: dict[str, list] = {
