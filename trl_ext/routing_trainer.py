@@ -1,17 +1,20 @@
-"""Gradient routing in the trainer (Cloud et al. 2024, arXiv:2410.04332; seed 004): config fields
-(`RoutingArgs`), dual-LoRA model building and the trainer plumbing (`RoutingMixin`). The math lives in
-routing.py (adapters), routing_step.py (routed backward, labels) and routing_eval.py (three-mode eval).
+"""Gradient routing in the trainer (Cloud et al. 2024, arXiv:2410.04332; seed 004; small-rl train.py at HEAD
+6f6e986): dual-adapter model building and the trainer plumbing (`RoutingMixin`). Flags: routing_args.py. The
+math lives in routing.py / routing_mlp.py (adapters), routing_step.py (routed backward, labels),
+routing_advantages.py (renormalisation, baseline arms), routing_eval.py, routing_trace.py, routing_plots.py.
 
-One step with ``--gradient_routing``:
-1. `_generate_and_score_completions`: the RH detector flags each completion; ``is_rh`` and the routing
-   labels ``is_bad`` (``routing_labels``, deterministic in (seed, global_step)) join the batch dict, so
-   TRL's shuffle and split keep them aligned with their samples.
-2. `training_step`: ``_prepare_inputs`` once, one routed backward (single pass by default, or the two-pass
-   reference), then GRPOTrainer.training_step's own bookkeeping (``_step`` += 1, ``step_time``).
-3. Every ``--eval_routing_steps`` and at the last step: the routing eval, printed to train.log, added to
-   the trainer's metrics (wandb) and appended to ``{run_dir}/routing_eval.jsonl``.
+One generation and step:
+1. `_calculate_rewards`: TRL's gathered rewards, with ``--base_reward`` where the hack does not pay (ineligible
+   completions, unhackable prompts); the RH detector flags this process's completions and ``routing_labels``
+   (seeded by (seed, global_step, process index)) labels them.
+2. `_generate_and_score_completions`: ``is_rh`` and ``is_bad`` join the batch dict (TRL's shuffle and split keep
+   them aligned); the advantages of the renormalisation mode or baseline arm replace TRL's; the trace fires.
+3. `training_step` (routed runs): ``_prepare_inputs`` once, one routed backward (single pass by default, or the
+   two-pass reference), then GRPOTrainer.training_step's own bookkeeping (``_step`` += 1, ``step_time``).
+4. Every ``--eval_routing_steps``, at the last step (and with ``--eval_at_start`` before the first): the routing
+   eval, printed to train.log, added to the metrics (wandb), appended to ``routing_eval.jsonl`` and plotted.
 
-Any dual-LoRA run (routed or not) gets the reference policy "all adapters disabled" when beta > 0 (the
+Any dual-adapter run (routed or not) gets the reference policy "all adapters disabled" when beta > 0 (the
 same model, no second copy), the routing eval, and ``dual_lora_layout.json`` in every checkpoint. A
 detector, when one is configured, logs ``rh_rate`` for any run. With the feature off nothing changes.
 """
