@@ -72,6 +72,11 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return base
 
 
+def _rms_norm(h: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """LlamaRMSNorm / Qwen2RMSNorm: normalised in float32, cast back, then scaled (transformers' order)."""
+    return weight * F.rms_norm(h.float(), (h.shape[-1],), None, eps).to(h.dtype)
+
+
 class FastSampler:
     """Samples completions from ``model`` (its weights as they are at each call: no copy is taken)."""
 
@@ -96,11 +101,12 @@ class FastSampler:
         w, eps, nq, d = self.weights, self.weights.eps, self.n_heads, self.head_dim
         h = h.reshape(b * s, hidden)
         for i, lw in enumerate(w.layers):
-            x = F.rms_norm(h, (hidden,), lw["ln1"], eps)
+            x = _rms_norm(h, lw["ln1"], eps)
             qkv = (torch.mm(x, lw["qkv"]) if lw["qkv_b"] is None else torch.addmm(lw["qkv_b"], x, lw["qkv"]))
             qkv = qkv.view(b, s, -1, d)
-            # RoPE (rotate-half convention) on the q and k heads; the tables hold cos 1 / sin 0 for the v heads
-            qkv = torch.addcmul(qkv * cos, qkv.roll(d // 2, -1), sin).transpose(1, 2)  # [B, n, S, d]
+            # RoPE (rotate-half convention) on the q and k heads; the tables hold cos 1 / sin 0 for the v heads.
+            # Products and sums in the order of transformers' layers (fused forms round differently)
+            qkv = (qkv * cos + qkv.roll(d // 2, -1) * sin).transpose(1, 2)  # [B, n, S, d]
             k, v = state.k[i], state.v[i]
             k.index_copy_(2, pos, qkv[:, nq : nq + self.n_kv].to(k.dtype))
             v.index_copy_(2, pos, qkv[:, nq + self.n_kv :].to(v.dtype))
@@ -108,13 +114,14 @@ class FastSampler:
                 k, v = k[:, :, :kv_len], v[:, :, :kv_len]
             o = self._attend(qkv[:, :nq], k.to(qkv.dtype), v.to(qkv.dtype), mask)
             o = o.transpose(1, 2).reshape(b * s, nq * d)
-            h = torch.addmm(h, o, lw["o"]) if lw["o_b"] is None else torch.addmm(h + lw["o_b"], o, lw["o"])
-            x = F.rms_norm(h, (hidden,), lw["ln2"], eps)
-            gu = torch.mm(x, lw["gate_up"]) if lw["gate_up_b"] is None else torch.addmm(lw["gate_up_b"], x, lw["gate_up"])
+            h = h + (torch.mm(o, lw["o"]) if lw["o_b"] is None else torch.addmm(lw["o_b"], o, lw["o"]))
+            x = _rms_norm(h, lw["ln2"], eps)
+            gu = torch.mm(x, lw["gate_up"]) if lw["gate_up_b"] is None else torch.addmm(lw["gate_up_b"], x,
+                                                                                           lw["gate_up"])
             inter = gu.shape[1] // 2
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            h = torch.addmm(h, act, lw["down"]) if lw["down_b"] is None else torch.addmm(h + lw["down_b"], act, lw["down"])
-        return F.rms_norm(h, (hidden,), w.head["norm"], eps)
+            h = h + (torch.mm(act, lw["down"]) if lw["down_b"] is None else torch.addmm(lw["down_b"], act, lw["down"]))
+        return _rms_norm(h, w.head["norm"], eps)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """Softmax attention of ``q`` [B, n_q, S, d] over ``k``/``v`` [B, n_kv, L, d]; ``mask`` [B, 1, S, L] bool.
@@ -282,7 +289,8 @@ class _DecodeState:
         # CUDA: exponential-race noise (no host sync, graph-capturable); CPU: inverse CDF (one uniform per row)
         self.noise = torch.empty(batch, vocab, dtype=torch.float32, device=device) if device.type == "cuda" else None
         self.tokens = torch.zeros(batch, params.max_new_tokens, dtype=torch.long, device=device)
-        self.logps = torch.zeros(batch, params.max_new_tokens, dtype=torch.float32, device=device)
+        self.logps = torch.zeros(batch, params.max_new_tokens, dtype=torch.promote_types(dtype, torch.float32),
+                                 device=device)
         self.alive = torch.zeros(batch, params.max_new_tokens, dtype=torch.bool, device=device)
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
         self.tok = torch.zeros(batch, dtype=torch.long, device=device)

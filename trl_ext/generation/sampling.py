@@ -6,7 +6,8 @@ the exponential race (equivalently Gumbel-max: ``argmax(z_i - log E_i)``, ``E_i 
 "A Review of the Gumbel-max Trick"), which samples exactly ``softmax(z)`` without a softmax or a CPU round trip.
 
 Behaviour log-probs are ``log_softmax(logits / temperature)`` of the sampled token, from the raw logits: top-k / top-p
-restrict only what is sampled. This is what TRL's trainer computes for the same token.
+restrict only what is sampled. This is what TRL's trainer computes for the same token. Computed in float32 (float64
+for a float64 model).
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ def restrict_logits(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
 
 def sample_step(logits: Tensor, temperature: float, top_k: int, top_p: float, noise: Tensor | None = None,
                 rng: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """One sampling step over ``logits`` [B, V]: the sampled token ids [B] and their behaviour log-probs [B] (float32).
+    """One sampling step over ``logits`` [B, V]: the sampled token ids [B] and their behaviour log-probs [B] (float32 or
+    wider).
 
     With ``noise`` [B, V] ~ Exp(1) (filled by the caller): ``tok = argmax(restrict(z) - log(noise))``, the exponential
     race. Without: the inverse CDF of ``softmax(restrict(z))`` at one uniform per row drawn from ``rng`` (CPU: 32x
     fewer random numbers than ``torch.multinomial``, which draws one per vocabulary entry). Both sample it exactly, ``z = logits / temperature``; ``logp = z_tok - logsumexp(z)``.
     """
-    z = logits.float() / temperature
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     kept = restrict_logits(z, top_k, top_p)
     if noise is not None:
         tok = (kept - noise.clamp_min(torch.finfo(noise.dtype).tiny).log()).argmax(-1)
