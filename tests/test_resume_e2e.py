@@ -200,9 +200,9 @@ def test_resume_errors_exit_2_before_the_model_loads(train_cli_error, tmp_path):
 
 # --------------------------------------------------------------------------- numeric faults, in process
 def _trainer(builtin_path, tmp_path, reward, **over):
-    cfg = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
-               max_completion_length=6, max_steps=3, beta=0.0, learning_rate=1e-3, logging_steps=1,
-               save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0, **over)  # fmt: skip
+    cfg = {**dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
+                  max_completion_length=6, max_steps=3, beta=0.0, learning_rate=1e-3, logging_steps=1,
+                  save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0), **over}  # fmt: skip
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(builtin_path))
     return ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[reward], args=ExtGRPOConfig(**cfg),
                           train_dataset=Dataset.from_dict({"prompt": ["Ben was a quiet owl", "Lily felt"] * 8}),
@@ -314,3 +314,29 @@ def test_resumed_run_continues_its_wandb_run_offline(tmp_path, monkeypatch):
     train(tmp_path / "out", *flags, "--resume_from_checkpoint", "latest")
     run_id = (run_dir / "wandb_run_id").read_text()
     assert len(run_id) == 8 and len(list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
+
+
+def test_marker_is_written_last_and_never_after_a_failed_save(builtin_path, tmp_path, monkeypatch):
+    import trl_ext.runs.mixin as mixin
+
+    seen = []
+    real_mark = mixin.mark_complete
+    monkeypatch.setattr(mixin, "mark_complete", lambda d, *a, **k: (seen.append(sorted(os.listdir(d))),
+                                                                      real_mark(d, *a, **k)))
+    trainer = _trainer(builtin_path, tmp_path, lambda completions, **kw: [float(len(c)) for c in completions],
+                       save_strategy="steps", save_steps=1, max_steps=2)
+    save_model = trainer.save_model
+
+    def crash_on_second(output_dir=None, _internal_call=False):
+        save_model(output_dir, _internal_call)
+        if output_dir.endswith("checkpoint-2"):
+            raise KeyboardInterrupt("killed while writing checkpoint-2")
+
+    trainer.save_model = crash_on_second
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert len(seen) == 1 and {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+                               "trainer_state.json", "trl_ext_state.json"} <= set(seen[0])  # fmt: skip
+    out = tmp_path / "out"
+    assert (out / "checkpoint-2" / "model.safetensors").is_file()  # written, but never declared complete
+    assert latest_complete(out) == out / "checkpoint-1"
