@@ -50,7 +50,7 @@ def no_training(monkeypatch):
         (["--env", "arithmetic", "--reward", "happy_binary"], "exclude"),
         (["--reward", "happy_binary", "--no_think_rl"], "--no_think_rl needs --env"),
         (["--env", "arithmetic", "--model", "builtin_mood"], "builtin_env"),
-        (["--env", "frozenlake", "--max_async_level", "1"], "on-policy only"),
+        (["--env", "frozenlake", "--max_async_level", "1", "--no_think_rl"], "no behaviour log-probs"),
         (["--reward", "happy_binary", "--env_params", "size=5"], "--env_params needs --env"),
         (["--env", "frozenlake", "--env_params", "sizes=5"], "accepted: ['size', 'p_frozen', 'slippery'"),
         (["--env", "frozenlake", "--env_params", "size=1"], "size >= 2"),

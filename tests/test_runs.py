@@ -104,6 +104,7 @@ def test_split_segments_at_turn_boundaries():
     assert segs == [{"source": "agent", "text": "5-6"}, {"source": "env", "text": "7-8"},
                     {"source": "agent", "text": "9"}, {"source": "env", "text": "10"}]
     assert ro.split_segments([], [], str) == []
+    assert ro.split_segments([5, 1], [1, 0], lambda xs: "" if xs == [1] else "a") == [{"source": "agent", "text": "a"}]
 
 
 def test_sequence_values_and_sums():

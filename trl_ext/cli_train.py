@@ -86,9 +86,9 @@ def check_env_run(run: RunArgs, cfg: ExtGRPOConfig) -> None:
         raise ConfigError("--env and --reward/--eval_rewards exclude each other: the environment gives the reward")
     if cfg.dual_lora or cfg.gradient_routing:
         raise ConfigError("--env runs do not support dual LoRA / gradient routing (no reward-hacking detector)")
-    if cfg.max_async_level > 0:
-        raise ConfigError("--env runs are on-policy only (--max_async_level 0): multi-turn episodes go through "
-                          "TRL's rollout_func, which the asynchronous generator does not drive")  # fmt: skip
+    if cfg.max_async_level > 0 and cfg.no_think_rl:
+        raise ConfigError("--no_think_rl rewrites the sampled answer, so its tokens have no behaviour log-probs: it "
+                          "needs --max_async_level 0")  # fmt: skip
     if run.model in STORY_MODELS:
         raise ConfigError(f"--env needs --model {BUILTIN_ENV} (or an instruct model): the {run.model} model's "
                           "tokenizer has no symbols for the environments' text (< > _ * # digits)")  # fmt: skip

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -148,10 +149,19 @@ def chat_env_text(tokenizer, messages: list[dict], agent: str, env_reply: str) -
     return full[len(head) + len(agent) :]
 
 
-def env_rollout(prompts: list, trainer) -> dict:
-    """TRL ``rollout_func``: play one episode per prompt (seeds from the batch rows) and return its tokens."""
-    args, tok = trainer.args, trainer.processing_class
-    seeds = [row["env_seed"] for row in trainer._env_rows]
+TurnSampler = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]] | None, list[list[int]] | None]]
+"""One turn of generation: token ids of each context -> (sampled ids, behaviour log-probs, policy versions), the last
+two None when the sampler records none (TRL's own generation)."""
+
+
+def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSampler) -> dict:
+    """One episode per prompt on the levels ``seeds``: the multi-turn loop shared by the synchronous path (TRL's
+    generation, ``env_rollout``) and the asynchronous generator (``offpolicy``), which passes a sampler that records
+    behaviour log-probs and policy versions. Environment tokens get log-prob 0, the version of the turn before them
+    and ``env_mask`` 0 (never trained on, never in a ratio or an IS mask).
+
+    Returns ``prompt_ids``, ``completion_ids``, ``env_mask``, ``env_return``, ``logprobs`` and ``versions`` (None
+    without a recording sampler) and ``trajectories``."""
     envs = [args.build_env() for _ in seeds]
     trajs = [Trajectory(s, e.reset(s), prefill=e.prefill) for e, s in zip(envs, seeds, strict=True)]
     prefill = envs[0].prefill
@@ -161,13 +171,15 @@ def env_rollout(prompts: list, trainer) -> dict:
         _encode(tok, tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) + prefill if chat else p)
         for p in prompts
     ]
-    completion = [[] for _ in prompts]
-    mask = [[] for _ in prompts]
-    closed = [False] * len(prompts)
-    active = list(range(len(prompts)))
+    n = len(prompts)
+    completion, mask, logprobs, versions = ([[] for _ in range(n)] for _ in range(4))
+    recorded = None
+    closed = [False] * n
+    active = list(range(n))
     for turn in range(args.turns):
-        generated, _ = trainer._generate_single_turn([prompt_ids[i] + completion[i] for i in active], None, {}, 1)
-        for i, ids in zip(active, generated, strict=True):
+        generated, lps, vers = generate([prompt_ids[i] + completion[i] for i in active])
+        recorded = lps is not None if recorded is None else recorded
+        for j, (i, ids) in enumerate(zip(active, generated, strict=True)):
             ids, closed[i] = cut_after_answer(list(ids), tok)
             text = decode_agent(tok, ids)
             if args.no_think_rl:
@@ -177,6 +189,9 @@ def env_rollout(prompts: list, trainer) -> dict:
             trajs[i].add(text, result)
             completion[i] += ids
             mask[i] += [1] * len(ids)
+            if recorded:
+                logprobs[i] += list(lps[j][: len(ids)])
+                versions[i] += list(vers[j][: len(ids)])
             if not result.done and turn + 1 < args.turns:
                 reply = feedback_text(result)
                 if chat:
@@ -187,25 +202,39 @@ def env_rollout(prompts: list, trainer) -> dict:
                 env_ids = _encode(tok, env_text)
                 completion[i] += env_ids
                 mask[i] += [0] * len(env_ids)
+                logprobs[i] += [0.0] * len(env_ids)
+                versions[i] += [versions[i][-1] if versions[i] else 0] * len(env_ids)
         active = [i for i in active if not trajs[i].done]
         if not active:
             break
     eos = tok.eos_token_id
-    for i in range(len(prompts)):
+    for i in range(n):
         if closed[i] and (not completion[i] or completion[i][-1] != eos):
             completion[i].append(eos)  # close the episode; not trained on
             mask[i].append(0)
-    _log_episodes(trainer, trajs, envs[0].action_words)
+            logprobs[i].append(0.0)
+            versions[i].append(versions[i][-1] if versions[i] else 0)
     return {
-        "prompt_ids": prompt_ids,
-        "completion_ids": completion,
-        "logprobs": None,
-        "env_mask": mask,
-        "env_return": [t.total_reward for t in trajs],
-    }
+        "prompt_ids": prompt_ids, "completion_ids": completion, "env_mask": mask,
+        "env_return": [t.total_reward for t in trajs], "logprobs": logprobs if recorded else None,
+        "versions": versions if recorded else None, "trajectories": trajs,
+    }  # fmt: skip
 
 
-def _log_episodes(trainer, trajs: list[Trajectory], words: tuple[str, ...]) -> None:
+def env_rollout(prompts: list, trainer) -> dict:
+    """TRL ``rollout_func``: play one episode per prompt (seeds from the batch rows) with TRL's generation."""
+    seeds = [row["env_seed"] for row in trainer._env_rows]
+
+    def generate(contexts):
+        return trainer._generate_single_turn(contexts, None, {}, 1)[0], None, None
+
+    out = play_episodes(prompts, seeds, trainer.args, trainer.processing_class, generate)
+    log_episodes(trainer, out.pop("trajectories"), trainer.args.build_env().action_words)
+    out.pop("versions")
+    return out
+
+
+def log_episodes(trainer, trajs: list[Trajectory], words: tuple[str, ...]) -> None:
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     n = len(trajs)
     metrics["env/success"].append(sum(t.success for t in trajs) / n)

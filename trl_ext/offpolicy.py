@@ -28,7 +28,7 @@ import queue
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -146,6 +146,7 @@ class Rollout:
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     versions: list[list[int]]
+    extra: dict = field(default_factory=dict)  # episode outputs of environment runs (env_mask, env_return, ...)
 
     def version_range(self) -> tuple[int, int]:
         flat = [v for seq in self.versions for v in seq]
@@ -158,6 +159,11 @@ class RolloutWorker:
     The trainer ``submit``s the prompts of batch i (rows and token ids, tokenized in the trainer thread), ``publish``es
     weights to ``store`` after every optimizer step and ``get``s batch n at step n. ``on_step(index, t)`` is a test
     hook called in the generator thread before each forward pass.
+
+    ``episode_fn(rows, sample_turn)``, when given, plays each batch as environment episodes
+    (``env_trainer.play_episodes``) instead of sampling one completion per prompt: ``sample_turn(contexts)`` samples
+    one turn with this worker's sampler, schedule and in-flight updates (weights may change between turns and between
+    decoding steps; every token's version says which policy sampled it). It returns ``play_episodes``' dict.
     """
 
     def __init__(
@@ -173,12 +179,14 @@ class RolloutWorker:
         num_threads: int | None = None,
         autocast: Callable[[], AbstractContextManager] = nullcontext,
         on_step: Callable[[int, int], None] | None = None,
+        episode_fn: Callable[[list[dict], Callable], dict] | None = None,
     ) -> None:
         if max_async_level < 1:
             raise ValueError(f"RolloutWorker needs max_async_level >= 1, got {max_async_level}")
         self.model, self.store, self.params = model, store, params
         self.k, self.strict, self.start_step, self.seed = max_async_level, strict, start_step, seed
         self.num_threads, self.autocast, self.on_step = num_threads, autocast, on_step
+        self.episode_fn = episode_fn
         self.queue: queue.Queue[Rollout] = queue.Queue(maxsize=max_async_level)
         self.loaded_version: int | None = None
         self.error: BaseException | None = None
@@ -257,6 +265,20 @@ class RolloutWorker:
 
         return hook
 
+    def _sample_batch(self, index: int, rows: list[dict], prompt_ids: list[list[int]], rng) -> Rollout:
+        hook = self._before_step(index)
+        if self.episode_fn is None:
+            out = self.sampler.sample(prompt_ids, self.params, rng, hook)
+            return Rollout(index, rows, prompt_ids, out.completion_ids, out.logprobs, out.versions)
+
+        def sample_turn(contexts: list[list[int]]):
+            out = self.sampler.sample(contexts, self.params, rng, hook)
+            return out.completion_ids, out.logprobs, out.versions
+
+        ep = dict(self.episode_fn(rows, sample_turn))
+        return Rollout(index, rows, ep.pop("prompt_ids"), ep.pop("completion_ids"), ep.pop("logprobs"),
+                       ep.pop("versions"), extra=ep)  # fmt: skip
+
     def _run(self) -> None:
         try:
             if self.num_threads:
@@ -272,8 +294,7 @@ class RolloutWorker:
                     self._load(need if self.strict else latest)
                     rng.manual_seed(self.seed * 1_000_003 + index)
                     with self.autocast():
-                        out = self.sampler.sample(prompt_ids, self.params, rng, self._before_step(index))
-                    rollout = Rollout(index, rows, prompt_ids, out.completion_ids, out.logprobs, out.versions)
+                        rollout = self._sample_batch(index, rows, prompt_ids, rng)
                     while True:
                         if self._stop.is_set():
                             raise Closed

@@ -14,6 +14,7 @@ multiplies by the ratio to its old policy, here the behaviour policy), normalise
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -130,8 +131,9 @@ class OffPolicyMixin:
         self._pending_rollout = None
         if self.offpolicy_cfg is None:
             return
-        if self.rollout_func is not None or self.tools or self.environment_factories is not None:
-            raise ConfigError("--max_async_level >= 1 supports single-turn text generation (no rollout_func/tools)")
+        if (self.rollout_func is not None and not self.args.env) or self.tools or self.environment_factories is not None:
+            raise ConfigError("--max_async_level >= 1 drives single-turn generation and the --env episode loop; "
+                              "not another rollout_func, tools or environment factories")
         if self.accelerator.num_processes != 1:
             raise ConfigError("--max_async_level >= 1 runs one generator thread: use a single process")
         if not hasattr(self.train_dataset, "__getitem__"):
@@ -163,6 +165,7 @@ class OffPolicyMixin:
         self._rollout_worker = RolloutWorker(
             gen_model, store, params, max_async_level=args.max_async_level, strict=args.strict_async_level,
             start_step=start, seed=args.seed, num_threads=gen_threads, autocast=self.accelerator.autocast,
+            episode_fn=self._episode_fn() if args.env else None,
         )  # fmt: skip
         self._prompt_batches = self._prompt_stream(start)
         self._submitted = start - 1
@@ -170,6 +173,18 @@ class OffPolicyMixin:
         mode = "strict" if args.strict_async_level else "non-strict (in-flight updates)"
         print(f"off-policy: generator thread started at policy version {start}, max_async_level "
               f"{args.max_async_level}, {mode}, generator threads {gen_threads}", flush=True)  # fmt: skip
+
+    def _episode_fn(self):
+        """``--env``: the generator thread plays each batch's episodes (``env_trainer.play_episodes``) with its own
+        tokenizer copy (a fast tokenizer is not safe to share between threads)."""
+        from trl_ext.env_trainer import play_episodes
+
+        args, tok = self.args, copy.deepcopy(self.processing_class)
+
+        def episodes(rows, sample_turn):
+            return play_episodes([r["prompt"] for r in rows], [r["env_seed"] for r in rows], args, tok, sample_turn)
+
+        return episodes
 
     def _stop_rollouts(self) -> None:
         if self._rollout_worker is None:
@@ -233,6 +248,12 @@ class OffPolicyMixin:
         if list(prompts) != [row["prompt"] for row in rollout.rows]:
             raise RuntimeError("prompts of the generation batch differ from the rollout's prompts")
         own = {"prompt_ids": rollout.prompt_ids, "completion_ids": rollout.completion_ids, "logprobs": rollout.logprobs}
+        if self.args.env:  # episodes played by the generator thread: env_mask, env_return; metrics logged here
+            from trl_ext.env_trainer import log_episodes
+
+            extra = dict(rollout.extra)
+            log_episodes(self, extra.pop("trajectories"), self.args.build_env().action_words)
+            own.update(extra)
         self.rollout_func = lambda _prompts, _trainer: own  # TRL's hook for externally generated completions
         try:
             return super()._generate(prompts)

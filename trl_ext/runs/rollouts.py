@@ -54,7 +54,9 @@ def split_segments(ids: list[int], trained: list[int], decode) -> list[dict]:
     segments, start = [], 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or trained[i] != trained[start]:
-            segments.append({"source": "agent" if trained[start] else "env", "text": decode(ids[start:i])})
+            text = decode(ids[start:i])
+            if text:  # a closing EOS (not trained on) decodes to nothing
+                segments.append({"source": "agent" if trained[start] else "env", "text": text})
             start = i
     return segments
 

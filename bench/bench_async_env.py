@@ -1,0 +1,80 @@
+"""Throughput of off-policy RL on an environment: samples/s of multi-turn FrozenLake with --max_async_level 1
+(non-strict, in-flight updates: the generator thread plays the episodes) over the same run synchronous (k = 0).
+
+builtin_env model, 3 turns, batch 32 (8 levels x 4 rollouts), 96 completion tokens, beta 0.02, lr 1e-4, 2 torch
+threads in total (k = 1: 1 for the generator, 1 for the trainer). Each round runs k = 0 then k = 1 from the same
+initial weights, prompts and seed, in one process; a round's ratio is k = 1's samples/s (completions trained per second
+of wall time after the warm-up steps) over k = 0's. Printed: min / median / max over the rounds and the load average.
+
+    uv run python bench/bench_async_env.py            # goal: ratio >= 1.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve on shared cores
+
+import torch  # noqa: E402
+from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
+
+from trl_ext.config import ExtGRPOConfig  # noqa: E402
+from trl_ext.env_trainer import env_dataset, env_reward  # noqa: E402
+from trl_ext.models import model_source, prepare_tokenizer  # noqa: E402
+from trl_ext.trainer import ExtGRPOTrainer  # noqa: E402
+
+BATCH = 32
+
+
+class WallClock(TrainerCallback):
+    def __init__(self, warmup: int):
+        self.warmup, self.start, self.end = warmup, None, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.warmup:
+            self.start = time.perf_counter()
+        self.end = time.perf_counter()
+
+
+def samples_per_s(k: int, source: str, tok, steps: int, warmup: int, out: str) -> float:
+    torch.set_num_threads(2)
+    clock = WallClock(warmup)
+    cfg = ExtGRPOConfig(
+        output_dir=out, per_device_train_batch_size=BATCH, num_generations=4, max_completion_length=96,
+        learning_rate=1e-4, beta=0.02, max_steps=steps + warmup, logging_steps=1000, save_strategy="no",
+        report_to=[], seed=42, use_cpu=True, disable_tqdm=True, max_async_level=k, env="frozenlake", max_turns=3,
+    )  # fmt: skip
+    data = env_dataset(cfg.build_env(), 512, tok)
+    torch.manual_seed(42)
+    trainer = ExtGRPOTrainer(model=source, reward_funcs=[env_reward], args=cfg, train_dataset=data,
+                             processing_class=tok, callbacks=[clock])  # fmt: skip
+    trainer.train()
+    return steps * BATCH / (clock.end - clock.start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8, help="measured optimizer steps per run")
+    ap.add_argument("--warmup", type=int, default=2, help="steps before the clock starts")
+    a = ap.parse_args()
+    source = model_source("builtin_env")
+    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(source))
+    load_before, ratios = os.getloadavg(), []
+    with tempfile.TemporaryDirectory() as out:
+        for r in range(a.rounds):
+            sync, async_ = (samples_per_s(k, source, tok, a.steps, a.warmup, out) for k in (0, 1))
+            ratios.append(async_ / sync)
+            print(f"round {r + 1}: k=0 {sync:.1f} samples/s, k=1 {async_:.1f} samples/s, ratio {ratios[-1]:.2f}",
+                  flush=True)
+    print(f"ratio k=1 / k=0 over {a.rounds} rounds: min {min(ratios):.2f} / median {statistics.median(ratios):.2f} / "
+          f"max {max(ratios):.2f} (goal >= 1.5)")
+    print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}, on {os.cpu_count()} CPUs")
+
+
+if __name__ == "__main__":
+    main()
