@@ -1,12 +1,13 @@
 """GPU benchmark of the fast generation backend, with transformers' generate and vanilla TRL beside it on one GPU.
 
-1. checks (the graph path has no CI): the fast sampler's log-probs against one full forward pass, the same seed
+1. checks (the graph path has no CI): the fast sampler's log-probs against a float32 forward pass, the same seed
    giving the same sample, in-place weight changes reaching the captured graph;
 2. generation only, ``--batch`` rows x 64 new tokens: transformers ``generate`` vs the fast sampler without and with
    CUDA graphs, on the builtin model (fp32), SimpleStories-1.25M's shape (vocab 4096) and a Qwen2.5-0.5B-shaped model
    (both randomly initialised offline, bf16; EOS never sampled, so every run makes all 64 tokens);
 3. the whole GRPO step at bench_step.py's config (builtin, batch 32, 16 generations, 64 tokens, beta 0.02):
-   vanilla trl.GRPOTrainer vs ExtGRPOTrainer with ``--generation_backend fast`` (needs trl; ``--no_step`` skips it).
+   vanilla trl.GRPOTrainer vs ExtGRPOTrainer with ``--generation_backend fast`` and with ``--max_async_level 1``
+   (generator thread on its own CUDA stream; needs trl; ``--no_step`` skips it).
 
 Each comparison alternates its arms for ``--rounds`` rounds and prints min / median / max.
 
@@ -16,6 +17,7 @@ Each comparison alternates its arms for ``--rounds`` rounds and prints min / med
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -78,16 +80,25 @@ def check_sampler(model, eos: int) -> None:
     a = sampler.sample(prompts, params, gen.manual_seed(1))
     b = sampler.sample(prompts, params, gen.manual_seed(1))
     assert a.completion_ids == b.completion_ids, "same seed, different sample (graph replay)"
-    width, length = max(map(len, prompts)), max(map(len, a.completion_ids))
-    ids = torch.full((len(prompts), width + length), eos, device="cuda")
-    attn = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(zip(prompts, a.completion_ids, strict=True)):
-        ids[i, width - len(p) : width + len(c)] = torch.tensor(p + c)
-        attn[i, width - len(p) : width + len(c)] = 1
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, width - 1 : -1].float() / params.temperature
-    ref = logits.log_softmax(-1).gather(2, ids[:, width:, None]).squeeze(2)
-    diff = max(abs(x - ref[i, j].item()) for i, lp in enumerate(a.logprobs) for j, x in enumerate(lp))
-    print(f"  check: max |fast log-prob - full forward| = {diff:.2e} over {sum(map(len, a.logprobs))} tokens")
+    def forward_logprobs(m):
+        width, length = max(map(len, prompts)), max(map(len, a.completion_ids))
+        ids = torch.full((len(prompts), width + length), eos, device="cuda")
+        attn = torch.zeros_like(ids)
+        for i, (p, c) in enumerate(zip(prompts, a.completion_ids, strict=True)):
+            ids[i, width - len(p) : width + len(c)] = torch.tensor(p + c)
+            attn[i, width - len(p) : width + len(c)] = 1
+        logits = m(input_ids=ids, attention_mask=attn).logits[:, width - 1 : -1].float() / params.temperature
+        return logits.log_softmax(-1).gather(2, ids[:, width:, None]).squeeze(2)
+
+    def max_diff(lp, ref):
+        return max(abs(x - ref[i, j].item()) for i, row in enumerate(lp) for j, x in enumerate(row))
+
+    own = forward_logprobs(model)
+    ref = forward_logprobs(copy.deepcopy(model).float())  # the same weights in float32
+    own_rows = [own[i, : len(c)].tolist() for i, c in enumerate(a.completion_ids)]
+    print(f"  check: max |log-prob - float32 forward| over {sum(map(len, a.logprobs))} tokens: fast sampler "
+          f"{max_diff(a.logprobs, ref):.2e}, transformers forward in the model's dtype {max_diff(own_rows, ref):.2e}; "
+          f"fast vs that forward {max_diff(a.logprobs, own):.2e}")
     first = model.model.layers[0].mlp.down_proj.weight
     saved = first.clone()
     first.mul_(3)  # in place: the captured graph must see it
@@ -156,7 +167,8 @@ def bench_step(rounds: int, steps: int, warmup: int) -> None:
     vanilla_tok._tokenizer.post_processor = None
     dataset = load_prompts("builtin", tok, 8, "train", 512, 42)
     arms = {"vanilla TRL": (GRPOTrainer, GRPOConfig, vanilla_tok),
-            "fast backend": (ExtGRPOTrainer, functools.partial(ExtGRPOConfig, generation_backend="fast"), tok)}
+            "fast backend": (ExtGRPOTrainer, functools.partial(ExtGRPOConfig, generation_backend="fast"), tok),
+            "async k=1": (ExtGRPOTrainer, functools.partial(ExtGRPOConfig, max_async_level=1), tok)}
     medians = {k: [] for k in arms}
     with tempfile.TemporaryDirectory() as out:
         for _ in range(rounds):
@@ -175,8 +187,9 @@ def bench_step(rounds: int, steps: int, warmup: int) -> None:
           f"({rounds} rounds x {steps} steps), s/step:")
     for name, v in medians.items():
         print(f"  {name:14s} {spread(v)}")
-    ratio = [a / b for a, b in zip(medians["vanilla TRL"], medians["fast backend"], strict=True)]
-    print(f"  speed-up vanilla/fast {spread(ratio, '.2f')}")
+    for name in ("fast backend", "async k=1"):
+        ratio = [a / b for a, b in zip(medians["vanilla TRL"], medians[name], strict=True)]
+        print(f"  speed-up vanilla / {name} {spread(ratio, '.2f')}")
 
 
 def main() -> None:

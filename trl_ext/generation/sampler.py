@@ -253,7 +253,9 @@ class FastSampler:
             graph.register_generator_state(rng)
         autocast = torch.is_autocast_enabled("cuda")
         dtype = torch.get_autocast_dtype("cuda")
-        with torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False), torch.cuda.graph(graph):
+        # thread_local: the trainer thread may allocate or synchronise while the generator thread captures
+        with (torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False),
+              torch.cuda.graph(graph, capture_error_mode="thread_local")):
             self._decode_step(state, params, rng, graphed=True)
         if rng is not None:  # warm-up and capture drew no sample of this call: same seed, same sample
             rng.set_state(rng_state)

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import torch
 from trl import GRPOConfig
 
 from trl_ext.generation.sampler import FastSampler, SamplingParams
 from trl_ext.registry import ConfigError
 
 BACKENDS = ("trl", "fast")
+CPU_DECODE_THREADS = 1
+"""Torch threads of a synchronous fast-backend generation on CPU (the trainer's setting is restored after it)."""
 _UNSUPPORTED = ("use_vllm", "use_transformers_continuous_batching", "repetition_penalty", "min_p", "generation_kwargs",
                 "cache_implementation", "pad_to_multiple_of")  # fmt: skip
 """GRPOConfig generation options the fast backend does not implement: each must keep TRL's default."""
@@ -73,5 +76,13 @@ class GenerationMixin:
             max_new_tokens=self.max_completion_length, temperature=self.temperature, top_k=self.top_k or 0,
             top_p=self.top_p, eos_token_ids=tuple(self.eos_token_ids), pad_token_id=self._tokenizer.pad_token_id,
         )  # fmt: skip
-        out = self._fast_sampler.sample(prompt_ids, params)
+        threads = torch.get_num_threads()
+        cpu = self.accelerator.device.type == "cpu"
+        if cpu:  # decode matmuls ([B, H] x [H, 3H]) are too small to split: 2 threads were slower (bench_step.py)
+            torch.set_num_threads(CPU_DECODE_THREADS)
+        try:
+            out = self._fast_sampler.sample(prompt_ids, params)
+        finally:
+            if cpu:
+                torch.set_num_threads(threads)
         return out.completion_ids, out.logprobs
