@@ -306,3 +306,11 @@ def test_dual_mlp_adapter_forward_by_hand():
     torch.testing.assert_close(ad(x), torch.tensor([[1.0 + r, 4.0]], dtype=D), rtol=0, atol=1e-12)
     assert [n for n, _ in ad.adapter_named_parameters()] == [
         "retain_gate", "retain_up", "retain_down", "forget_gate", "forget_up", "forget_down"]
+
+
+def test_layouts_written_before_mlp_adapters_read_as_lora():
+    old = {"retain_rank": 2, "forget_rank": 2, "alpha": 16.0, "targets": ["q_proj"], "layer_start": 0,
+           "layer_end": 4, "layer_stride": 1, "include_lm_head": False}
+    assert DualLoRALayout.from_dict(old).adapter_type == "lora"
+    with pytest.raises(ValueError, match="unknown"):
+        DualLoRALayout.from_dict({**old, "nope": 1})

@@ -57,7 +57,7 @@ def test_train_with_routing_on_builtin(builtin_path, tmp_path):
     layout = json.loads((ckpt / "dual_lora_layout.json").read_text())
     assert layout == {"retain_rank": 2, "forget_rank": 2, "alpha": 2.0, "targets": list(LLAMA_PROJECTIONS),
                       "layer_start": 0, "layer_end": 4, "layer_stride": 1, "include_lm_head": False,
-                      "routing_mode": "shared"}
+                      "adapter_type": "lora", "routing_mode": "shared"}
     state = json.loads((ckpt / "trainer_state.json").read_text())
     labels = [h for h in state["log_history"] if "routing/n_samples" in h]
     # one generation batch of 8 per step; without eligibility/noise knobs every detected sample is routed

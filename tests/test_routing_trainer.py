@@ -415,7 +415,7 @@ def test_trainer_refuses_mismatched_model(tiny, tmp_path):
     path, tok, train, _ = tiny
     cfg = ExtGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                         report_to=[], use_cpu=True, lora_config="r2")
-    with pytest.raises(ValueError, match="has no DualLoRALinear"):
+    with pytest.raises(ValueError, match="has no dual adapter modules"):
         ExtGRPOTrainer(model=LlamaForCausalLM.from_pretrained(path), reward_funcs=[as_trl_reward("n", n_chars)],
                        args=cfg, train_dataset=train, processing_class=copy.deepcopy(tok))
 
