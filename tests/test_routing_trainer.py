@@ -353,6 +353,16 @@ def test_mlp_adapter_checkpoints_reload(tiny, tmp_path, adapter_only):
     assert [r["step"] for r in read_records(tmp_path)] == [2]  # the routing eval ablates MLP adapters too
 
 
+def test_detector_flags_without_a_reward_call(tiny, tmp_path, monkeypatch):
+    """Pure distillation calls no reward function (DistillMixin returns zeros): the detector still flags."""
+    trainer = make_trainer(tiny, tmp_path, gradient_routing=False, routing_mode=None, max_steps=1)
+    monkeypatch.setattr(trainer, "_calculate_rewards", lambda inputs, prompts, completions, ids: torch.zeros(
+        len(prompts), 1))
+    trainer.train()
+    (_, batch), = trainer.generations
+    assert batch["is_rh"].tolist() == odd_words(trainer.decode_completions(batch)) and "is_bad" not in batch
+
+
 def test_routing_eval_logs_everywhere_and_restores(tiny, tmp_path, capsys):
     trainer = make_trainer(tiny, tmp_path, max_steps=3, eval_routing_steps=2, logging_steps=100)
     trainer.train()
@@ -456,6 +466,8 @@ def no_training(monkeypatch):
     (["--reward", "sentence_length_5_with_happy", "--retain_penalty_baseline"], "--base_reward"),
     (["--reward", "happy_binary", "--filter_baseline"], "--filter_baseline needs an RH detector"),
     (["--reward", "happy_binary", "--save_adapter_only"], "--save_adapter_only needs a dual LoRA config"),
+    (["--reward", "sentence_length_5_with_happy", "--skip_verification", "--adv_tau", "0", "--teacher_tau", "1",
+      "--hack_frac", "0.5", "--base_reward", "sentence_length_5"], "--skip_verification computes no reward"),
     ([*ROUTED, "--adapter_type", "mlp", "--lora_config", "r8"], "--lora_config/--lora_lm_head are LoRA flags"),
     ([*ROUTED, "--adapter_type", "mlp"], "--adapter_type mlp needs --mlp_config"),
     ([*ROUTED, "--mlp_config", "m16"], "--mlp_config needs --adapter_type mlp"),

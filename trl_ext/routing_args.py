@@ -205,6 +205,9 @@ class RoutingArgs:
         if self.base_reward is not None and not self.needs_base_reward:
             raise ConfigError("--base_reward is used only with --rh_eligible_frac < 1 (routing or a baseline arm), "
                               "--hack_frac < 1 or --retain_penalty_baseline")
+        if self.skip_verification and (self.labelled or self.needs_base_reward):
+            raise ConfigError("--skip_verification computes no reward: routing labels, baseline arms and "
+                              "--base_reward need one")
         if self.env and (self.labelled or self.hack_frac < 1.0 or self.dual_lora or self.rh_detector):
             raise ConfigError("dual LoRA, routing, its labels and baseline arms need --reward (not --env)")
         if (self.labelled or self.needs_base_reward) and (

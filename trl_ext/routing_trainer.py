@@ -247,10 +247,15 @@ class RoutingMixin:
         scored, self._routing_scored = self._routing_scored, None
         if self.rh_detector is None:
             return batch
-        if scored is None:
-            raise RuntimeError("the RH detector did not run on this batch (_calculate_rewards was not called)")
         mode = "train" if self.model.training else "eval"
         device = batch["completion_ids"].device
+        if scored is None:  # no reward function ran (pure distillation): flags only, for rh_rate
+            if self.args.labelled or self.base_reward is not None:
+                raise RuntimeError("routing labels need the rewards: _calculate_rewards did not run on this batch")
+            flags = self.rh_detector(self.decode_completions(batch))
+            batch["is_rh"] = torch.tensor(flags, dtype=torch.bool, device=device)
+            self._metrics[mode]["rh_rate"].append(sum(flags) / len(flags))
+            return batch
         batch["is_rh"] = scored["is_rh"].to(device)
         self._metrics[mode]["rh_rate"].append(scored["is_rh"].float().mean().item())
         a = self.args
