@@ -172,7 +172,9 @@ def mean_se(values: list[float]) -> str:
 
 
 def write_table(path: Path, r: dict) -> None:
-    lines = ["# Environment experiments (builtin_env model v3, RAGEN prompts, CPU)", "",
+    from trl_ext.builtin_env_model import VERSION
+
+    lines = [f"# Environment experiments (builtin_env model {VERSION}, RAGEN prompts, CPU)", "",
              "Produced by `uv run python experiments/env_experiments.py`; numbers as measured. "
              f"Mean ± standard error over the training seeds {list(SEEDS)}; raw values below.", "",
              f"SFT: `{' '.join(SFT)}`. Bandit GRPO: `{' '.join(RL)} --max_steps {BANDIT_STEPS}`. "
