@@ -8,7 +8,8 @@ Variants (same model, prompts and seed; batch 32, 16 generations, 64 tokens, bet
 The detector flags completions with an odd word count, so every batch is mixed (the two-pass worst case).
 Completions are generated every K steps (``steps_per_generation``); the K-1 steps in between reuse the
 buffer, so their time is the update alone (forward, routed backward, optimizer step). Runs alternate the
-variants ``--rounds`` times in one process; medians are compared.
+variants ``--rounds`` times in one process; each ratio is taken per round (medians within the round) and printed
+as min / median / max over the rounds, with the load average.
 
     uv run python bench/bench_routing.py      # prints single/lora (goal <= 1.10) and two_pass/single
 """
@@ -100,7 +101,7 @@ def main():
     ap.add_argument("--rank", type=int, default=16, help="total adapter rank R (routed: R/2 + R/2)")
     ap.add_argument("--cycles", type=int, default=3, help="generation cycles per run (the first is warm-up)")
     ap.add_argument("--steps_per_generation", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     if args.rank % 2 or args.cycles < 2 or args.steps_per_generation < 2:
         ap.error("--rank must be even, --cycles >= 2 and --steps_per_generation >= 2")
@@ -108,23 +109,31 @@ def main():
     k = args.steps_per_generation
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(model_source("builtin")))
     dataset = load_prompts("builtin", tok, 8, "train", 512, 42)
-    update = {v: [] for v in VARIANTS}
-    whole = {v: [] for v in VARIANTS}
+    update = {v: [] for v in VARIANTS}  # per round: median update-step time
+    whole = {v: [] for v in VARIANTS}  # per round: mean whole-step time (generation included)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as out:
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             for v in VARIANTS:
                 times = [(s, t) for s, t in run(v, args.rank, tok, dataset, args.cycles * k, k, out) if s >= k]
-                update[v] += [t for s, t in times if s % k]
+                update[v].append(statistics.median([t for s, t in times if s % k]))
                 whole[v].append(sum(t for _, t in times) / len(times))
-    med = {v: statistics.median(update[v]) for v in VARIANTS}
-    print(f"update step (no generation), median of {len(update['lora'])} steps per variant:")
+            print(f"round {r + 1}: update step " + ", ".join(f"{v} {update[v][-1]:.4f} s" for v in VARIANTS)
+                  + f" (load {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
+
+    def ratio(a: dict, x: str, y: str) -> str:
+        values = [p / q for p, q in zip(a[x], a[y], strict=True)]
+        return f"median {statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f})"
+
+    print(f"update step (no generation), per-round medians over {args.rounds} rounds:")
     for v in VARIANTS:
-        print(f"  {v:<10} {med[v]:.4f} s   whole step incl. generation (mean) {statistics.mean(whole[v]):.3f} s")
-    print(f"ratio single-pass routed / plain LoRA rank {args.rank} = {med['single'] / med['lora']:.3f}  (goal <= 1.10)")
-    print(f"ratio two-pass / single-pass = {med['two_pass'] / med['single']:.3f}")
-    print(f"ratio dual LoRA ({args.rank}, 0) / PEFT LoRA = {med['dual_plain'] / med['lora']:.3f}")
-    wl, ws = statistics.mean(whole["lora"]), statistics.mean(whole["single"])
-    print(f"whole-step ratio single-pass routed / plain LoRA = {ws / wl:.3f}")
+        print(f"  {v:<10} {statistics.median(update[v]):.4f} s   whole step incl. generation "
+              f"{statistics.median(whole[v]):.3f} s")  # fmt: skip
+    print(f"ratio single-pass routed / plain LoRA rank {args.rank} = {ratio(update, 'single', 'lora')}  (goal <= 1.10)")
+    print(f"ratio two-pass / single-pass = {ratio(update, 'two_pass', 'single')}")
+    print(f"ratio dual LoRA ({args.rank}, 0) / PEFT LoRA = {ratio(update, 'dual_plain', 'lora')}")
+    print(f"whole-step ratio single-pass routed / plain LoRA = {ratio(whole, 'single', 'lora')}")
+    print(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} CPUs")
 
 
 if __name__ == "__main__":

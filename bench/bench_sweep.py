@@ -9,6 +9,8 @@ loading are excluded. The concurrent aggregate is total steps / (last train end 
 end = run_summary.json's mtime and start = end - wall_s, so any start-up skew between the concurrent
 runs counts against them.
 
+The two phases alternate ``--rounds`` times; the ratio is taken per round and printed as min / median / max.
+
     uv run python bench/bench_sweep.py              # prints aggregate / single (goal >= 1.7: 4 runs, 2 cores)
 """
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -57,27 +60,37 @@ def main():
     ap.add_argument("--batch_size", type=int, default=32)
     ap.add_argument("--num_generations", type=int, default=16)
     ap.add_argument("--max_completion_length", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5, help="single / concurrent phases alternate this many times")
     ap.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="cores the sweep divides")
     args = ap.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark: the sweep uses CPU slots
     load_before = os.getloadavg()
-    out = Path(tempfile.mkdtemp(prefix="bench_sweep_"))
-    try:
-        t0 = time.time()
-        single, (one,) = phase(out, [0], args, args.cores)
-        aggregate, many = phase(out, list(range(1, args.runs + 1)), args, args.cores)
-        elapsed = time.time() - t0
-    finally:
-        shutil.rmtree(out)
+    singles, aggregates, ratios = [], [], []
+    t0 = time.time()
+    for r in range(args.rounds):
+        out = Path(tempfile.mkdtemp(prefix="bench_sweep_"))
+        try:
+            single, (one,) = phase(out, [0], args, args.cores)
+            aggregate, many = phase(out, list(range(1, args.runs + 1)), args, args.cores)
+        finally:
+            shutil.rmtree(out)
+        singles.append(single)
+        aggregates.append(aggregate)
+        ratios.append(aggregate / single)
+        print(f"round {r + 1}: single run ({one['threads']} threads) {single:.3f} steps/s, {args.runs} concurrent runs "
+              f"({many[0]['threads']} thread(s) each) {aggregate:.3f} steps/s together, ratio {ratios[-1]:.3f} "
+              f"(load {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
     load_after = os.getloadavg()
+
+    def spread(values):
+        return f"median {statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f})"
+
     print(f"config: bs {args.batch_size}, ng {args.num_generations}, {args.max_completion_length} tokens, "
-          f"{args.steps} steps per run, {args.cores} cores")  # fmt: skip
-    print(f"single run ({one['threads']} threads): {single:.3f} steps/s ({one['train_s']:.1f} s)")
-    per_run = ", ".join(f"{f['train_s']:.1f}" for f in many)
-    print(f"{args.runs} concurrent runs ({many[0]['threads']} thread(s) each): aggregate {aggregate:.3f} steps/s "
-          f"(train time per run {per_run} s)")  # fmt: skip
-    print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}; bench wall {elapsed:.0f} s")
-    print(f"ratio aggregate/single = {aggregate / single:.3f}  (goal >= 1.7 for 4 runs on 2 cores)")
+          f"{args.steps} steps per run, {args.cores} cores, {args.rounds} rounds")  # fmt: skip
+    print(f"single run: {spread(singles)} steps/s; {args.runs} concurrent: {spread(aggregates)} steps/s")
+    print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}; bench wall "
+          f"{time.time() - t0:.0f} s")  # fmt: skip
+    print(f"ratio aggregate/single = {spread(ratios)}  (goal >= 1.7 for 4 runs on 2 cores)")
 
 
 if __name__ == "__main__":
