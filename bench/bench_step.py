@@ -32,14 +32,17 @@ from trl_ext.trainer import ExtGRPOTrainer  # noqa: E402
 
 
 class StepTimer(TrainerCallback):
+    """Wall seconds and process CPU seconds (all threads) of every step."""
+
     def __init__(self):
-        self.times, self._t = [], None
+        self.times, self.cpu, self._t = [], [], None
 
     def on_step_begin(self, args, state, control, **kw):
-        self._t = time.perf_counter()
+        self._t = (time.perf_counter(), time.process_time())
 
     def on_step_end(self, args, state, control, **kw):
-        self.times.append(time.perf_counter() - self._t)
+        self.times.append(time.perf_counter() - self._t[0])
+        self.cpu.append(time.process_time() - self._t[1])
 
 
 def happy_binary(completions, **kw):
@@ -60,7 +63,7 @@ def run(trainer_cls, config_cls, tokenizer, dataset, steps, warmup, out):
         train_dataset=dataset, processing_class=tokenizer, callbacks=[timer],
     )  # fmt: skip
     trainer.train()
-    return timer.times[warmup:]
+    return timer.times[warmup:], timer.cpu[warmup:]
 
 
 def spread(values: list[float]) -> str:
@@ -86,20 +89,24 @@ def main():
         "fast": (ExtGRPOTrainer, functools.partial(ExtGRPOConfig, generation_backend="fast"), tok),
     }
     load_before = os.getloadavg()
-    medians = {name: [] for name in arms}
+    medians = {name: [] for name in arms}  # per round: median wall seconds per step
+    cpu = {name: [] for name in arms}  # per round: median CPU seconds per step (less sensitive to other load)
     with tempfile.TemporaryDirectory() as out:
         for r in range(args.rounds):
             for name, (trainer_cls, config_cls, tokenizer) in arms.items():
-                medians[name].append(statistics.median(run(trainer_cls, config_cls, tokenizer, dataset, args.steps,
-                                                           args.warmup, out)))  # fmt: skip
-            print(f"round {r + 1}: " + ", ".join(f"{n} {m[-1]:.3f} s" for n, m in medians.items())
-                  + f" (load {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
+                wall, cpu_s = run(trainer_cls, config_cls, tokenizer, dataset, args.steps, args.warmup, out)
+                medians[name].append(statistics.median(wall))
+                cpu[name].append(statistics.median(cpu_s))
+            print(f"round {r + 1}: " + ", ".join(f"{n} {m[-1]:.3f} s ({cpu[n][-1]:.3f} CPU s)" for n, m in
+                                                 medians.items()) + f" (load {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
     load_after = os.getloadavg()
     for name in arms:
-        print(f"step time {name}: {spread(medians[name])} s")
+        print(f"step time {name}: wall {spread(medians[name])} s, CPU {spread(cpu[name])} s")
     for name, goal in (("ours", "<= 1.03"), ("fast", "<= 0.6")):
         ratios = [a / v for a, v in zip(medians[name], medians["vanilla"], strict=True)]
-        print(f"ratio {name}/vanilla: {spread(ratios)}  (goal {goal}; {args.rounds} rounds)")
+        cpu_ratios = [a / v for a, v in zip(cpu[name], cpu["vanilla"], strict=True)]
+        print(f"ratio {name}/vanilla: wall {spread(ratios)}  (goal {goal}; {args.rounds} rounds); "
+              f"CPU time {spread(cpu_ratios)}")  # fmt: skip
     print(f"{args.steps} steps per run after {args.warmup} warm-up, {args.threads} torch threads, load average "
           f"{load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs")  # fmt: skip
 
