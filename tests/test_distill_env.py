@@ -138,3 +138,28 @@ def test_plain_prompt_with_chat_tokenizer_needs_no_template(tmp_path):
     lp = trainer.score_teacher(batch, ["up down"])
     expected = row_logps(trainer.ref_model, encode(tok, CONTEXT + " up down"), encode(tok, "left right"))
     assert torch.allclose(lp[0], expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_train_py_pure_distillation_on_frozenlake_builtin_env(builtin_cache, tmp_path):
+    """train.py end to end: a multi-turn environment, the base weights (adapters off) as the teacher with a context."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trl_ext.builtin_env_model import ensure_builtin_env
+
+    ensure_builtin_env()
+    flags = ["--env", "frozenlake", "--model", "builtin_env", "--max_turns", "2", "--teacher_context", CONTEXT,
+             "--teacher_tau", "1", "--student_tau", "1", "--adv_tau", "0", "--skip_verification", "--lora_rank", "4",
+             "--lr", "1e-3", "--max_steps", "2", "--batch_size", "4", "--n_rollout", "2", "--max_completion_length",
+             "16", "--logging_steps", "1", "--save_steps", "2", "--no_wandb", "--output_dir", str(tmp_path),
+             "--run_name", "distill_env"]  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "train.py", *flags], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads((tmp_path / "distill_env" / "checkpoint-2" / "trainer_state.json").read_text())
+    logs = [h for h in state["log_history"] if "distill/teacher_logp_sum" in h]
+    assert len(logs) == 2 and all(h["distill/teacher_logp_sum"] < 0 and "env/turns" in h for h in logs)
+    assert all(h["distill/reward_task"] == 0.0 for h in logs)  # pure distillation: no task reward
