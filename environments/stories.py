@@ -25,7 +25,6 @@ import re
 
 import datasets
 
-from trl_ext.builtin_model import BUILTIN
 
 HUB_DATASET = "SimpleStories/SimpleStories"
 HUB_TEXT_COLUMN = "story"
@@ -217,6 +216,10 @@ def story_prefix(text: str, tokenizer, prompt_length: int) -> str | None:
     return prefix
 
 
+BUILTIN_PROMPTS = "builtin"
+"""``load_prompts`` source of the project's own held-out stories (``--prompts builtin``; the builtin models' prompts)."""
+
+
 def load_prompts(model: str, tokenizer, prompt_length: int, split: str, n: int, seed: int) -> datasets.Dataset:
     """``n`` story prefixes of exactly ``prompt_length`` tokens as a Dataset with one column "prompt".
 
@@ -229,7 +232,7 @@ def load_prompts(model: str, tokenizer, prompt_length: int, split: str, n: int, 
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if prompt_length < 1 or n < 1:
         raise ValueError(f"prompt_length and n must be >= 1, got prompt_length={prompt_length}, n={n}")
-    if model == BUILTIN:
+    if model == BUILTIN_PROMPTS:
         stories = datasets.Dataset.from_dict({HUB_TEXT_COLUMN: list(heldout_stories(split))})
         source = f"builtin held-out stories ({split})"
     else:

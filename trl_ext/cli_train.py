@@ -16,8 +16,8 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 from trl_ext.builtin_env_model import BUILTIN_ENV
-from trl_ext.config import LLAMA_PROJECTIONS, ExtGRPOConfig, RunArgs
-from trl_ext.models import STORY_MODELS, model_source, prepare_tokenizer, resolve_model_arg
+from trl_ext.config import ExtGRPOConfig, RunArgs
+from trl_ext.models import LLAMA_PROJECTIONS, STORY_MODELS, model_source, prepare_tokenizer, resolve_model_arg
 from trl_ext.naming import run_name
 from trl_ext.registry import ConfigError
 
@@ -96,8 +96,10 @@ def check_env_run(run: RunArgs, cfg: ExtGRPOConfig) -> None:
 
 def prompt_source(run: RunArgs) -> str:
     """The `model` argument of `environments.stories.load_prompts` for ``--prompts``."""
-    source = run.prompts or ("builtin" if run.model in STORY_MODELS else "simplestories")
-    return "builtin" if source == "builtin" else run.model
+    from environments.stories import BUILTIN_PROMPTS
+
+    source = run.prompts or (BUILTIN_PROMPTS if run.model in STORY_MODELS else "simplestories")
+    return BUILTIN_PROMPTS if source == BUILTIN_PROMPTS else run.model
 
 
 def check_start(plan: Plan) -> Plan:
@@ -108,34 +110,6 @@ def check_start(plan: Plan) -> Plan:
     plan.resume = check_run_dir(plan.run_dir, plan.cfg.resume_from_checkpoint, plan.run.overwrite_run,
                                 resolved_config(plan.run, plan.cfg))
     return plan
-
-
-def open_run_dir(plan: Plan):
-    """Move an old run aside (--overwrite_run) or set the run directory up for the resume; start the train.log tee
-    (appended to on resume, after a visible marker)."""
-    from trl_ext.runlog import Tee
-    from trl_ext.runs.checkpoints import checkpoint_step
-    from trl_ext.runs.rollouts import discard_after
-    from trl_ext.runs.rundir import aside_name, move_incomplete_checkpoints, previous_run
-
-    notes = []
-    if plan.resume is None and plan.run.overwrite_run and plan.run_dir.exists() and previous_run(plan.run_dir):
-        target = aside_name(plan.run_dir)
-        plan.run_dir.rename(target)
-        notes.append(f"--overwrite_run: the previous run was moved to {target}")
-    if plan.resume is not None:
-        notes += [f"incomplete checkpoint moved aside: {p}" for p in move_incomplete_checkpoints(plan.run_dir)]
-        discarded = discard_after(plan.run_dir, checkpoint_step(plan.resume) or 0)
-        if discarded is not None:
-            notes.append(f"rollouts of steps after the checkpoint moved to {discarded}")
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
-    tee = Tee(plan.run_dir / "train.log")
-    if plan.resume is not None:
-        print(f"\n{'=' * 30} RESUMED from {plan.resume} at {time.strftime('%Y-%m-%d %H:%M:%S')} {'=' * 30}")
-    print(f"$ train.py {shlex.join(plan.argv)}\nrun dir: {plan.run_dir}", flush=True)
-    for note in notes:
-        print(note, flush=True)
-    return tee
 
 
 def setup_wandb(plan: Plan) -> None:
@@ -174,6 +148,7 @@ def run_training(plan: Plan) -> int:
     from trl_ext.routing_trainer import routing_setup
     from trl_ext.runlog import write_run_config
     from trl_ext.runs.faults import NumericFault
+    from trl_ext.runs.rundir import open_run_dir
     from trl_ext.trainer import ExtGRPOTrainer
 
     run, cfg = plan.run, plan.cfg

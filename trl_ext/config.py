@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from environments.stories import BUILTIN_PROMPTS
+from trl_ext.models import LLAMA_PROJECTIONS  # noqa: F401  (re-exported: train.py's LoRA targets)
 from trl_ext.registry import ConfigError
 from trl_ext.distill_trainer import DistillArgs
 from trl_ext.offpolicy_trainer import OffPolicyArgs
@@ -23,9 +25,8 @@ from trl_ext.env_trainer import EnvArgs
 from trl_ext.generation.trainer import GenerationArgs
 from trl_ext.sft import SFTArgs
 
-PROMPT_SOURCES = ("builtin", "simplestories")
+PROMPT_SOURCES = (BUILTIN_PROMPTS, "simplestories")
 DEFAULT_LORA_ALPHA = 16.0  # PEFT LoRA and explicit dual LoRA ranks; presets carry their own (routing_step.py)
-LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass

@@ -116,11 +116,10 @@ def run_sft(plan) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from trl_ext.config import LLAMA_PROJECTIONS
-    from trl_ext.models import model_source, prepare_tokenizer
-    from trl_ext.cli_train import open_run_dir
+    from trl_ext.models import LLAMA_PROJECTIONS, model_source, prepare_tokenizer
     from trl_ext.runlog import write_run_config
     from trl_ext.runs.mixin import CheckpointMixin
+    from trl_ext.runs.rundir import open_run_dir
 
     class CheckpointedSFTTrainer(CheckpointMixin, SFTTrainer):
         """TRL's SFTTrainer with atomic checkpoints and loud numeric faults (`trl_ext.runs.mixin`)."""

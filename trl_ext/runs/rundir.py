@@ -8,6 +8,7 @@ a ConfigError, raised before any model is loaded.
 
 from __future__ import annotations
 
+import shlex
 import time
 from pathlib import Path
 
@@ -15,9 +16,11 @@ import yaml
 
 from trl_ext.naming import is_defining
 from trl_ext.registry import ConfigError
+from trl_ext.runlog import Tee
 from trl_ext.runs.checkpoints import (
     checkpoint_step, config_differences, list_checkpoints, resolve_resume, saved_run_config,
 )
+from trl_ext.runs.rollouts import discard_after
 
 PREVIOUS_RUN_FILES = ("run_summary.json", "train.log")
 
@@ -76,3 +79,26 @@ def move_incomplete_checkpoints(run_dir: Path) -> list[Path]:
             path.rename(target)
             moved.append(target)
     return moved
+
+
+def open_run_dir(plan):
+    """Move an old run aside (--overwrite_run) or set the run directory up for the resume (``plan``: train.py's Plan,
+    after `check_run_dir`); start the train.log tee (appended to on resume, after a visible marker)."""
+    notes = []
+    if plan.resume is None and plan.run.overwrite_run and plan.run_dir.exists() and previous_run(plan.run_dir):
+        target = aside_name(plan.run_dir)
+        plan.run_dir.rename(target)
+        notes.append(f"--overwrite_run: the previous run was moved to {target}")
+    if plan.resume is not None:
+        notes += [f"incomplete checkpoint moved aside: {p}" for p in move_incomplete_checkpoints(plan.run_dir)]
+        discarded = discard_after(plan.run_dir, checkpoint_step(plan.resume) or 0)
+        if discarded is not None:
+            notes.append(f"rollouts of steps after the checkpoint moved to {discarded}")
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    tee = Tee(plan.run_dir / "train.log")
+    if plan.resume is not None:
+        print(f"\n{'=' * 30} RESUMED from {plan.resume} at {time.strftime('%Y-%m-%d %H:%M:%S')} {'=' * 30}")
+    print(f"$ train.py {shlex.join(plan.argv)}\nrun dir: {plan.run_dir}", flush=True)
+    for note in notes:
+        print(note, flush=True)
+    return tee
