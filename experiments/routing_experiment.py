@@ -166,22 +166,23 @@ ARM_FLAGS = {  # same reward, lr, beta, budget; the routed run and its baseline 
 ARMS_RESULTS = ROOT / "experiments" / "results" / "routing_arms.md"
 
 
-def arm_flags(arm: str, seed: int, steps: int) -> list[str]:
-    return ["--reward", REWARD, "--eval_rewards", f"{TASK},{HACK}", "--model", "builtin", "--no_wandb",
+def arm_flags(arm: str, seed: int, steps: int, recall: float = 1.0) -> list[str]:
+    labels = ["--rh_detector_recall", str(recall)] if recall != 1.0 and arm != "plain_lora" else []
+    return labels + ["--reward", REWARD, "--eval_rewards", f"{TASK},{HACK}", "--model", "builtin", "--no_wandb",
             "--batch_size", "16", "--num_generations", "8", "--max_completion_length", "32", "--beta", "0.02",
             "--lr", "3e-3", "--lora_lm_head", "--max_steps", str(steps), "--logging_steps", "10",
             "--save_steps", str(steps), "--eval_routing_steps", str(max(steps // 4, 1)), "--eval_routing_prompts",
             "64", "--seed", str(seed), *ARM_FLAGS[arm]]
 
 
-def run_arms(out: Path, steps: int) -> dict[str, list[Path]]:
+def run_arms(out: Path, steps: int, recall: float = 1.0) -> dict[str, list[Path]]:
     sys.path.insert(0, str(ROOT))
     from trl_ext.cli_train import build_plan
 
     dirs = {}
     for seed in ARM_SEEDS:
         for arm in ARM_FLAGS:
-            argv = arm_flags(arm, seed, steps) + ["--output_dir", str(out)]
+            argv = arm_flags(arm, seed, steps, recall) + ["--output_dir", str(out)]
             target = build_plan(argv).run_dir
             dirs.setdefault(arm, []).append(target)
             if (target / "run_summary.json").is_file():
@@ -193,13 +194,14 @@ def run_arms(out: Path, steps: int) -> dict[str, list[Path]]:
     return dirs
 
 
-def arms_report(dirs: dict[str, list[Path]], steps: int) -> str:
+def arms_report(dirs: dict[str, list[Path]], steps: int, recall: float = 1.0) -> str:
     from statistics import median
 
     def cell(values):
         return f"{median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
-    lines = [f"## Routed vs baseline arms vs matched plain LoRA ({len(ARM_SEEDS)} seeds, {steps} steps)", "",
+    lines = [f"## Routed vs baseline arms vs matched plain LoRA ({len(ARM_SEEDS)} seeds, {steps} steps, detector "
+             f"recall {recall:g})", "",
              f"Flags shared by every arm: `{' '.join(arm_flags('routed', 1, steps)[:-len(ARM_FLAGS['routed'])])}` "
              "(seed varies); per arm: " + "; ".join(f"{a}: `{' '.join(f)}`" for a, f in ARM_FLAGS.items()) + ".",
              "Final routing eval on 64 held-out prompts (one sample each, same seed in every mode); median (min-max) "
@@ -225,6 +227,7 @@ def main():
     ap.add_argument("--setting", choices=list(SETTINGS), default="head_lr3e-3")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--calibration_steps", type=int, default=40)
+    ap.add_argument("--recall", type=float, default=1.0, help="phase arms: --rh_detector_recall of the labelled arms")
     ap.add_argument("--output_dir", default=str(ROOT / "output" / "routing_experiment"))
     args = ap.parse_args()
     out = Path(args.output_dir)
@@ -232,14 +235,15 @@ def main():
     if args.phase == "arms":
         steps = 40 if args.steps == 80 else args.steps
         out = Path(args.output_dir).parent / "routing_arms"
-        dirs = run_arms(out, steps)
-        text = arms_report(dirs, steps)
-        ARMS_RESULTS.write_text("# Gradient routing arms (builtin model)\n\n" + text + "\n")
+        dirs = run_arms(out, steps, args.recall)
+        text = arms_report(dirs, steps, args.recall)
+        results = ARMS_RESULTS if args.recall == 1.0 else ARMS_RESULTS.with_name(f"routing_arms_recall{args.recall:g}.md")
+        results.write_text("# Gradient routing arms (builtin model)\n\n" + text + "\n")
         try:
             from trl_ext.routing_plots import plot_comparison
 
             plot_comparison({f"{a} s{s}": t for a, ts in dirs.items() for s, t in zip(ARM_SEEDS, ts)},
-                            ARMS_RESULTS.with_suffix(".png"), metrics=(f"reward/{TASK}", "rh_rate"))
+                            results.with_suffix(".png"), metrics=(f"reward/{TASK}", "rh_rate"))
         except ImportError:
             print("trl_ext.routing_plots not available: no plot", flush=True)
         print(text)
