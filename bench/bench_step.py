@@ -97,8 +97,8 @@ def main():
                 wall, cpu_s = run(trainer_cls, config_cls, tokenizer, dataset, args.steps, args.warmup, out)
                 medians[name].append(statistics.median(wall))
                 cpu[name].append(statistics.median(cpu_s))
-            print(f"round {r + 1}: " + ", ".join(f"{n} {m[-1]:.3f} s ({cpu[n][-1]:.3f} CPU s)" for n, m in
-                                                 medians.items()) + f" (load {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
+            done = ", ".join(f"{n} {m[-1]:.3f} s ({cpu[n][-1]:.3f} CPU s)" for n, m in medians.items())
+            print(f"round {r + 1}: {done} (load {os.getloadavg()[0]:.2f})", flush=True)
     load_after = os.getloadavg()
     for name in arms:
         print(f"step time {name}: wall {spread(medians[name])} s, CPU {spread(cpu[name])} s")

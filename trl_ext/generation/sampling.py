@@ -36,7 +36,8 @@ def sample_step(logits: Tensor, temperature: float, top_k: int, top_p: float, no
 
     With ``noise`` [B, V] ~ Exp(1) (filled by the caller): ``tok = argmax(restrict(z) - log(noise))``, the exponential
     race. Without: the inverse CDF of ``softmax(restrict(z))`` at one uniform per row drawn from ``rng`` (CPU: 32x
-    fewer random numbers than ``torch.multinomial``, which draws one per vocabulary entry). Both sample it exactly, ``z = logits / temperature``; ``logp = z_tok - logsumexp(z)``.
+    fewer random numbers than ``torch.multinomial``, which draws one per vocabulary entry). Both sample it exactly,
+    ``z = logits / temperature``; ``logp = z_tok - logsumexp(z)``.
     """
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     kept = restrict_logits(z, top_k, top_p)

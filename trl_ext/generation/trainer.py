@@ -37,14 +37,15 @@ class GenerationArgs:
     def validate_generation(self) -> None:
         """Raise ConfigError for settings the chosen backend would ignore (called by ExtGRPOConfig)."""
         if self.generation_backend not in BACKENDS:
-            raise ConfigError(f"--generation_backend must be one of {', '.join(BACKENDS)}, got {self.generation_backend!r}")
+            raise ConfigError(f"--generation_backend must be one of {', '.join(BACKENDS)}, "
+                              f"got {self.generation_backend!r}")
         if self.generation_backend == "trl":
             return
         defaults = {f.name: f.default for f in fields(GRPOConfig)}
         for name in _UNSUPPORTED:
             if getattr(self, name) != defaults[name]:
-                raise ConfigError(f"--{name} {getattr(self, name)!r} is not implemented by --generation_backend fast "
-                                  f"(keep TRL's default {defaults[name]!r}, or use --generation_backend trl)")  # fmt: skip
+                raise ConfigError(f"--{name} {getattr(self, name)!r} is not implemented by --generation_backend "
+                                  f"fast (keep TRL's default {defaults[name]!r}, or use --generation_backend trl)")
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ConfigError("--generation_backend fast needs --max_completion_length >= 1")
         if not self.temperature > 0 or not 0 < self.top_p <= 1 or (self.top_k or 0) < 0:

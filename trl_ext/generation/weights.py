@@ -64,7 +64,8 @@ class DecodeWeights:
             down = affine_of(mlp.down_proj, mlp.down_proj.in_features, like)
             fresh.append({"qkv": qkv[0], "qkv_b": qkv[1], "gate_up": gate_up[0], "gate_up_b": gate_up[1],
                           "o": o[0], "o_b": o[1], "down": down[0], "down_b": down[1],
-                          "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight})  # fmt: skip
+                          "ln1": layer.input_layernorm.weight,
+                          "ln2": layer.post_attention_layernorm.weight})  # fmt: skip
         head = affine_of(self.decoder.lm_head, hidden, like)
         fresh_head = {"head": head[0], "head_b": head[1], "norm": inner.norm.weight}
         if not self.layers:
