@@ -285,3 +285,14 @@ def test_routing_grid_gets_baseline_arms(capsys, tmp_path):
                      .replace("rh_eligible_frac: 0.5, base_reward: sentence_length_5, ", ""))
     assert sw.main(["--config", str(sweep), "--dry_run"]) == 2
     assert "no run of the grid uses --gradient_routing" in capsys.readouterr().err
+
+
+def test_baseline_arms_from_the_command_line(capsys, tmp_path):
+    rc, dirs = _dry(capsys, "--reward", "sentence_length_5_with_happy", "--grid", "seed=1,2", "--fixed",
+                    "lora_config=r8", "routing_mode=shared", f"output_dir={tmp_path}", "--train_flags",
+                    "gradient_routing", "--baselines", "filter", "plain")  # fmt: skip
+    names = [Path(d).name for d in dirs]
+    assert rc == 0 and len(names) == 6, names  # per seed: the routed run, its filter arm, its plain arm
+    assert sum("filter_baselinetrue" in n for n in names) == 2 and sum("dual_r8f8" not in n for n in names) == 0
+    assert sw.main(["--reward", "happy_binary", "--baselines", "nope", "--dry_run"]) == 2
+    assert "--baselines: unknown baseline arm 'nope'" in capsys.readouterr().err

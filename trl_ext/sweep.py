@@ -66,6 +66,8 @@ class SweepArgs:
     grid: list[str] = _help("Swept train.py flags KEY=V1,V2,...: one run per combination.", factory=list)
     fixed: list[str] = _help("train.py flags shared by all runs, KEY=VALUE (the value is taken whole).", factory=list)
     train_flags: list[str] = _help("Bare boolean train.py flags, without dashes (e.g. no_wandb).", factory=list)
+    baselines: list[str] = _help("Baseline arms added next to every routed run (plain, filter, reward_penalty, "
+                                 "retain_penalty); replaces a sweep file's baselines.", factory=list)
     config: str | None = _help(
         "Named sweep YAML (keys: description, reward, grid, fixed, train_flags); a key given on the command "
         "line replaces the file's. train.py's own reward YAML is --fixed config=FILE."

@@ -183,6 +183,8 @@ def build_spec(args) -> SweepSpec:
             g.pop(key, None)
     spec.grids = [{**g, **grid} for g in spec.grids]
     spec.fixed.update(fixed)
+    if args.baselines:
+        spec.baselines = parse_baselines("--baselines", list(args.baselines))
     for flag in [flag_dest(f) for f in args.train_flags]:
         if flag in spec.train_flags or flag in spec.fixed or flag in spec.keys:
             raise ConfigError(f"train flag {flag!r} is given twice")
