@@ -113,12 +113,16 @@ def env_reward(completions, env_return, **kwargs) -> list[float]:
 
 def cut_after_answer(ids: list[int], tokenizer) -> tuple[list[int], bool]:
     """The shortest prefix of ``ids`` whose decoding holds a closing answer tag, and whether one was found."""
-    if not _CLOSE_ANSWER.search(tokenizer.decode(ids, skip_special_tokens=True)):
+    def closed(k: int) -> bool:
+        return _CLOSE_ANSWER.search(tokenizer.decode(ids[:k], skip_special_tokens=True)) is not None
+
+    if not closed(len(ids)):
         return ids, False
-    for k in range(1, len(ids) + 1):
-        if _CLOSE_ANSWER.search(tokenizer.decode(ids[:k], skip_special_tokens=True)):
-            return ids[:k], True
-    raise AssertionError("unreachable")
+    lo, hi = 1, len(ids)  # a prefix that holds the tag keeps it when extended: bisect for the shortest one
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if closed(mid) else (mid + 1, hi)
+    return ids[:lo], True
 
 
 _SPLIT_DIGITS = re.compile(r"(?<=\d) (?=\d)")
