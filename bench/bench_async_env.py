@@ -15,29 +15,17 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve on shared cores
 
 import torch  # noqa: E402
-from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
+from bench_async import BATCH, WallClock  # noqa: E402  (bench/ is the script's directory)
+from transformers import AutoTokenizer  # noqa: E402
 
 from trl_ext.config import ExtGRPOConfig  # noqa: E402
 from trl_ext.env_trainer import env_dataset, env_reward  # noqa: E402
 from trl_ext.models import model_source, prepare_tokenizer  # noqa: E402
 from trl_ext.trainer import ExtGRPOTrainer  # noqa: E402
-
-BATCH = 32
-
-
-class WallClock(TrainerCallback):
-    def __init__(self, warmup: int):
-        self.warmup, self.start, self.end = warmup, None, None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.warmup:
-            self.start = time.perf_counter()
-        self.end = time.perf_counter()
 
 
 def samples_per_s(k: int, source: str, tok, steps: int, warmup: int, out: str) -> float:
