@@ -3,9 +3,10 @@ step of ``trl_ext.generation.sampling`` and, on CUDA, one CUDA graph per (batch,
 
 The per-token cost of ``transformers.generate`` on a tiny model is Python and kernel-launch overhead (dynamic cache,
 mask building, logits processors, stopping criteria, output dataclasses), not arithmetic. This sampler runs the
-model's own submodules (embedding, norms, q/k/v/o projections, MLP, rotary embedding, LM head), so LoRA / PEFT /
-dual-LoRA wrappers of those modules apply unchanged; only the attention over the cache is written here
-(``F.scaled_dot_product_attention``).
+model's own embedding and rotary tables, and each decoder layer as transformers' Llama/Qwen2 layer computes it (RMSNorm
+in float32, rotate-half RoPE, softmax attention, SiLU-gated MLP, in the same order of operations) on fused weights
+read from the model's projections (``trl_ext.generation.weights``: LoRA / PEFT / dual-LoRA wrappers as their merged
+weights). Attention: ``F.scaled_dot_product_attention`` on CUDA, the plain product on CPU.
 
 Positions are numbered 0..len-1 over the left-padded row, as TRL's trainer forward numbers them (it passes no
 position ids); ``transformers.generate`` numbers them from each row's first real token instead. The two agree
