@@ -287,10 +287,19 @@ def _components(path: Path, owner: str, specs, reward_specs: dict, resolve) -> t
     return tuple(out)
 
 
+def _probe_kwargs(fn: Callable) -> dict:
+    """Empty episodes for a detector that judges environment trajectories (no step info: nothing flagged)."""
+    from types import SimpleNamespace
+
+    from .detectors import needs_trajectories
+
+    return {"trajectories": [SimpleNamespace(turns=[])] * len(_PROBE_TEXTS)} if needs_trajectories(fn) else {}
+
+
 def _probe(path: Path, kind: str, name: str, fn: Callable, out_type: type) -> None:
     """Evaluate a binding once so that bad param values fail at load time."""
     try:
-        out = fn(list(_PROBE_TEXTS))
+        out = fn(list(_PROBE_TEXTS), **_probe_kwargs(fn))
     except ValueError as e:
         raise ConfigError(f"{path}: {kind} binding {name!r}: {e}") from None
     if not isinstance(out, list) or len(out) != len(_PROBE_TEXTS) or not all(type(v) is out_type for v in out):

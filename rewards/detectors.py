@@ -4,9 +4,16 @@ Gradient routing (Cloud et al. 2024, "Gradient Routing: Masking Gradients to Loc
 Neural Networks") routes the updates of flagged completions to the forget adapter; these detectors supply
 that per-completion ``is_rh`` label. Each maps ``completions: list[str]`` (plus keyword-only params bound
 from config.yaml) to one bool per completion. Words follow rewards/functions.py: lower-cased whole words.
+
+Environment detectors also take ``trajectories=`` (one ``environments.base.Trajectory`` per completion, the
+episode the completion's transcript records) and judge the environment's per-step info; they exist only for
+``--env`` runs (``needs_trajectories``; a story run naming one is a config error).
 """
 
 from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
 
 from trl_ext.registry import Registry
 
@@ -44,6 +51,25 @@ def detect_contains_words(completions: list[str], *, words: list[str]) -> list[b
     check_texts(completions)
     targets = _word_set(words)
     return [not targets.isdisjoint(split_words(text)) for text in completions]
+
+
+@DETECTORS.register("env_info_flag")
+def detect_env_info_flag(completions: list[str], *, key: str, trajectories: list | None = None) -> list[bool]:
+    """True when any step of the completion's episode reported a truthy ``info[key]`` (e.g. arithmetic's
+    ``loophole`` under ``lenient_grader``)."""
+    check_texts(completions)
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key must be a non-empty info key, got {key!r}")
+    if trajectories is None:
+        raise ValueError("env_info_flag judges environment episodes: it needs trajectories= (an --env run)")
+    if len(trajectories) != len(completions):
+        raise ValueError(f"got {len(trajectories)} trajectories for {len(completions)} completions")
+    return [any(bool(turn.info.get(key, False)) for turn in traj.turns) for traj in trajectories]
+
+
+def needs_trajectories(fn: Callable) -> bool:
+    """Whether a (bound) detector judges environment episodes (takes ``trajectories=``)."""
+    return "trajectories" in inspect.signature(fn).parameters
 
 
 def _word_set(values: object) -> frozenset[str]:

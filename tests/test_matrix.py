@@ -25,10 +25,11 @@ TASKS = {
     "env_multi": ["--env", "frozenlake", "--model", "builtin_env", "--max_turns", "2", "--max_completion_length", "64"],
 }
 DISTILL = {"off": [], "on": ["--teacher_tau", "0.5", "--student_tau", "0.5", "--teacher_context", "A happy story."]}
+ENV_DETECTOR = ["--rh_detector", "env_loophole"]  # routed env cells: the detector judging the episodes' step info
 REJECTED = {
-    # (adapter, task) -> the reason train.py gives (exit 2 before any model loads)
-    ("routed", "env_single"): "need --reward (not --env)",
-    ("routed", "env_multi"): "need --reward (not --env)",
+    # (adapter, k, task) -> the reason train.py gives (exit 2 before any model loads)
+    (a, k, t): "an RH detector on --env needs --max_async_level 0"
+    for a, k, t in itertools.product(["routed"], ["k1_strict", "k1_inflight"], ["env_single", "env_multi"])
 }
 CELLS = list(itertools.product(ADAPTERS, ASYNC, TASKS, DISTILL))
 
@@ -39,7 +40,9 @@ def test_cell(builtin_path, tmp_path, capsys, adapter, k, task, distill):
     argv = [*TASKS[task], *ADAPTERS[adapter], *ASYNC[k], *DISTILL[distill], "--batch_size", "8",
             "--num_generations", "4", "--max_steps", "2", "--logging_steps", "1", "--save_steps", "2", "--lr", "1e-4",
             "--no_wandb", "--save_rollouts", "--output_dir", str(tmp_path)]  # fmt: skip
-    reason = REJECTED.get((adapter, task))
+    if adapter == "routed" and task != "story":
+        argv += ENV_DETECTOR
+    reason = REJECTED.get((adapter, k, task))
     if reason is not None:
         assert cli.main(argv) == 2 and reason in capsys.readouterr().err
         return

@@ -84,8 +84,6 @@ def check_env_run(run: RunArgs, cfg: ExtGRPOConfig) -> None:
         return
     if run.reward or run.eval_reward_names:
         raise ConfigError("--env and --reward/--eval_rewards exclude each other: the environment gives the reward")
-    if cfg.dual_lora or cfg.gradient_routing:
-        raise ConfigError("--env runs do not support dual LoRA / gradient routing (no reward-hacking detector)")
     if cfg.max_async_level > 0 and cfg.no_think_rl:
         raise ConfigError("--no_think_rl rewrites the sampled answer, so its tokens have no behaviour log-probs: it "
                           "needs --max_async_level 0")  # fmt: skip
@@ -180,9 +178,7 @@ def run_training(plan: Plan) -> int:
             r=run.lora_rank, lora_alpha=run.lora_alpha, target_modules=list(LLAMA_PROJECTIONS), task_type="CAUSAL_LM"
         )
     rc = plan.reward_config
-    model, routing_kwargs = (model_path, {}) if cfg.env else routing_setup(
-        run, cfg, rc, model_path, tokenizer, prompt_source(run)
-    )
+    model, routing_kwargs = routing_setup(run, cfg, rc, model_path, tokenizer, prompt_source(run))
     trainer = ExtGRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,

@@ -233,7 +233,8 @@ def env_rollout(prompts: list, trainer) -> dict:
         return trainer._generate_single_turn(contexts, None, {}, 1)[0], None, None
 
     out = play_episodes(prompts, seeds, trainer.args, trainer.processing_class, generate)
-    log_episodes(trainer, out.pop("trajectories"), trainer.args.build_env().action_words)
+    trainer._env_trajectories = out.pop("trajectories")  # for an environment RH detector (RoutingMixin._detect)
+    log_episodes(trainer, trainer._env_trajectories, trainer.args.build_env().action_words)
     out.pop("versions")
     return out
 

@@ -208,8 +208,12 @@ class RoutingArgs:
         if self.skip_verification and (self.labelled or self.needs_base_reward):
             raise ConfigError("--skip_verification computes no reward: routing labels, baseline arms and "
                               "--base_reward need one")
-        if self.env and (self.labelled or self.hack_frac < 1.0 or self.dual_lora or self.rh_detector):
-            raise ConfigError("dual LoRA, routing, its labels and baseline arms need --reward (not --env)")
+        if self.env and (self.hack_frac < 1.0 or self.needs_base_reward):
+            raise ConfigError("--hack_frac < 1, --rh_eligible_frac < 1 and --retain_penalty_baseline need a --reward "
+                              "with a --base_reward (an environment's reward has no hack-free component)")
+        if self.env and self.max_async_level > 0 and (self.labelled or self.rh_detector):
+            raise ConfigError("an RH detector on --env needs --max_async_level 0: the asynchronous generator does "
+                              "not hand its episodes to the detector")
         if (self.labelled or self.needs_base_reward) and (
                 self.scale_rewards != "group" or self.multi_objective_aggregation != "sum_then_normalize"):
             raise ConfigError("routing labels and baseline arms rewrite TRL's group advantages: they need "
@@ -252,14 +256,18 @@ def check_run_routing(run, cfg, reward_config) -> str | None:
         cfg.dual_lora_alpha = resolve_dual_lora_alpha(cfg.lora_config, run.lora_alpha, run.lora_alpha_explicit)
     if cfg.base_reward is not None:
         reward_config.reward(cfg.base_reward)  # raises ConfigError listing the bound rewards
-    name = cfg.rh_detector or reward_config.default_detector(run.reward)
+    name = cfg.rh_detector or (reward_config.default_detector(run.reward) if run.reward else None)
     if name is not None:
-        reward_config.detector(name)  # raises ConfigError listing the bound detectors
+        from rewards.detectors import needs_trajectories
+
+        if needs_trajectories(reward_config.detector(name)) and not cfg.env:  # detector(): ConfigError if unbound
+            raise ConfigError(f"RH detector {name!r} judges environment episodes (their step info): it needs --env")
     elif cfg.routing_trace_interval not in (None, "off"):
         raise ConfigError("--routing_trace_interval needs an RH detector (the reward names none; pass --rh_detector)")
     if name is None and cfg.labelled:
         what = "--gradient_routing" if cfg.gradient_routing else f"--{cfg.baseline}_baseline"
-        raise ConfigError(f"{what} needs an RH detector: reward {run.reward!r} names no rh_detector; "
+        raise ConfigError(f"{what} needs an RH detector: {f'reward {run.reward!r}' if run.reward else '--env'} names "
+                          "no rh_detector; "
                           f"pass --rh_detector (bound: {', '.join(reward_config.detector_names()) or '(none)'})")
     return name
 

@@ -147,3 +147,67 @@ def format_results(step: int, results: Mapping[str, Mapping[str, float]]) -> lis
         f"[Routing eval @ step {step}] {mode}: " + " ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
         for mode, metrics in results.items()
     ]
+
+
+def model_turn_sampler(model: nn.Module, tokenizer, generation_config) -> Callable:
+    """An ``env_trainer.play_episodes`` sampler: ``model.generate`` on left-padded token contexts with
+    ``generation_config`` (the trainer's sampling settings); each row cut at its first EOS (pad excluded)."""
+    eos = generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or ())
+    pad = tokenizer.pad_token_id
+
+    def generate(contexts: list[list[int]]):
+        device = next(model.parameters()).device
+        width = max(len(c) for c in contexts)
+        ids = torch.tensor([[pad] * (width - len(c)) + list(c) for c in contexts], device=device)
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config)
+        rows = []
+        for row in out[:, width:].tolist():
+            cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+            rows.append(row[:cut])
+        return rows, None, None
+
+    return generate
+
+
+def env_routing_eval(
+    model: nn.Module, tokenizer, args, generation_config, detector: Callable | None, seed: int, n_levels: int,
+) -> dict[str, dict[str, float]]:
+    """The three-mode routing eval of an ``--env`` run: one episode on each held-out level ``HELDOUT_LEVELS ..
+    + n_levels - 1`` per mode, sampled with ``generation_config`` and the same seed in every mode (the modes differ
+    only by the adapters; the caller's RNG is untouched). Per mode: ``env/success`` (the environment's honest
+    success), ``env/return`` (mean episode return) and ``rh_rate`` (the detector on the episodes, when one)."""
+    from rewards.detectors import needs_trajectories
+    from trl_ext.env_trainer import HELDOUT_LEVELS, env_dataset, play_episodes
+
+    if n_levels < 1:
+        raise ValueError(f"n_levels must be >= 1, got {n_levels}")
+    rows = env_dataset(args.build_env(), n_levels, tokenizer, start=HELDOUT_LEVELS)
+    prompts, seeds = list(rows["prompt"]), list(rows["env_seed"])
+    sampler = model_turn_sampler(model, tokenizer, generation_config)
+    device = next(model.parameters()).device
+
+    def play():
+        was_training = model.training
+        model.eval()
+        try:
+            cuda = [device.index or 0] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda), torch.no_grad():
+                torch.manual_seed(seed)
+                out = play_episodes(prompts, seeds, args, tokenizer, sampler)
+        finally:
+            model.train(was_training)
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in out["completion_ids"]]
+        return texts, out["trajectories"]
+
+    def score(played) -> dict[str, float]:
+        texts, trajs = played
+        n = len(trajs)
+        result = {"env/success": sum(t.success for t in trajs) / n, "env/return": sum(t.total_reward for t in trajs) / n}
+        if detector is not None:
+            flags = detector(texts, trajectories=trajs) if needs_trajectories(detector) else detector(texts)
+            result["rh_rate"] = sum(flags) / n
+        return result
+
+    return evaluate_modes(model, play, score)

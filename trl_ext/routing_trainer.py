@@ -38,7 +38,8 @@ from trl_ext.routing import (
 )
 from trl_ext.routing_advantages import prompt_hackable, routed_advantages
 from trl_ext.routing_args import RoutingArgs, check_run_routing, dual_lora_tag  # noqa: F401 (re-exported)
-from trl_ext.routing_eval import append_record, format_results, routing_eval
+from rewards.detectors import needs_trajectories
+from trl_ext.routing_eval import append_record, env_routing_eval, format_results, routing_eval
 from trl_ext.routing_plots import plot_modes
 from trl_ext.routing_trace import append_trace, trace_fires, trace_records
 from trl_ext.routing_step import rh_eligible_mask, routing_labels, single_pass_backward, two_pass_backward
@@ -82,7 +83,7 @@ def routing_setup(
         return model_path, kwargs
     model, kwargs["dual_lora_layout"] = build_dual_lora_model(model_path, cfg, cfg.dual_lora_alpha)
     kwargs["dual_lora_base"] = str(Path(model_path).resolve()) if Path(model_path).is_dir() else model_path
-    if cfg.eval_routing_steps:
+    if cfg.eval_routing_steps and not cfg.env:  # env runs play held-out levels (routing_eval.env_routing_eval)
         from environments.stories import load_prompts
 
         prompts = load_prompts(prompt_source, tokenizer, run.prompt_length, "test", cfg.eval_routing_prompts, cfg.seed)
@@ -160,7 +161,7 @@ class RoutingMixin:
             raise ValueError(f"the config {'needs' if cfg.needs_base_reward else 'has no'} --base_reward but "
                              f"base_reward={base_reward!r} was given")
         eval_on = dual and cfg.eval_routing_steps > 0
-        if eval_on and (not routing_eval_prompts or not routing_eval_rewards):
+        if eval_on and not cfg.env and (not routing_eval_prompts or not routing_eval_rewards):
             raise ValueError("the routing eval needs routing_eval_prompts and routing_eval_rewards")
         # With beta > 0 GRPOTrainer would load a second copy of the model from its path as the reference; the
         # reference of a dual LoRA policy is the policy with its adapters disabled, installed below instead.
@@ -213,7 +214,7 @@ class RoutingMixin:
             local["base"] = torch.tensor(base, dtype=torch.float32)
         scored = {}
         if self.rh_detector is not None:
-            flags = self.rh_detector(list(completions))
+            flags = self._detect(list(completions))
             if len(flags) != n or not all(isinstance(f, bool) for f in flags):
                 raise ValueError(f"RH detector {self.rh_detector_name!r} must return {n} bools, got {flags!r}")
             scored["is_rh"] = local["is_rh"] = torch.tensor(flags, dtype=torch.bool)
@@ -242,6 +243,17 @@ class RoutingMixin:
         self._routing_scored = scored
         return rewards
 
+    def _detect(self, completions: list[str]) -> list[bool]:
+        """The RH detector on this process's completions; an environment detector also gets the episodes that
+        ``env_trainer.env_rollout`` played for them (``_env_trajectories``, same order)."""
+        if not needs_trajectories(self.rh_detector):
+            return self.rh_detector(completions)
+        trajs, self._env_trajectories = getattr(self, "_env_trajectories", None), None
+        if trajs is None or len(trajs) != len(completions):
+            raise RuntimeError(f"RH detector {self.rh_detector_name!r} judges environment episodes, but the rollout "
+                               f"left {'none' if trajs is None else len(trajs)} for {len(completions)} completions")
+        return self.rh_detector(completions, trajectories=trajs)
+
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
         scored, self._routing_scored = self._routing_scored, None
@@ -252,7 +264,7 @@ class RoutingMixin:
         if scored is None:  # no reward function ran (pure distillation): flags only, for rh_rate
             if self.args.labelled or self.base_reward is not None:
                 raise RuntimeError("routing labels need the rewards: _calculate_rewards did not run on this batch")
-            flags = self.rh_detector(self.decode_completions(batch))
+            flags = self._detect(self.decode_completions(batch))
             batch["is_rh"] = torch.tensor(flags, dtype=torch.bool, device=device)
             self._metrics[mode]["rh_rate"].append(sum(flags) / len(flags))
             return batch
@@ -317,17 +329,25 @@ class RoutingMixin:
         """The three-mode eval on the held-out prompts: printed, added to the metrics, appended to the jsonl."""
         step = self.state.global_step
         a = self.args
+        if a.env:
+            return self._log_routing_eval(step, env_routing_eval(
+                self.model, self.processing_class, a, self.generation_config, self.rh_detector, a.seed,
+                a.eval_routing_prompts), a.eval_routing_prompts, "env/success")
         hackable = None if a.hack_frac == 1.0 else [prompt_hackable(p, a.hack_frac, a.seed)
                                                     for p in self.routing_eval_prompts]
         results = routing_eval(self.model, self.processing_class, self.routing_eval_prompts, self.generation_config,
                                self.routing_eval_rewards, self.rh_detector, seed=a.seed,
                                batch_size=a.per_device_train_batch_size, hackable=hackable)
+        return self._log_routing_eval(step, results, len(self.routing_eval_prompts),
+                                      f"reward/{next(iter(self.routing_eval_rewards))}")
+
+    def _log_routing_eval(self, step: int, results: dict, n_prompts: int, main_metric: str) -> dict:
         if self.accelerator.is_main_process:
             for line in format_results(step, results):
                 print(line, flush=True)
             append_record(self.args.output_dir, {"step": step, "rh_detector": self.rh_detector_name,
-                                                 "n_prompts": len(self.routing_eval_prompts), "modes": results})
-            metrics = [f"reward/{next(iter(self.routing_eval_rewards))}"] + ["rh_rate"] * (self.rh_detector is not None)
+                                                 "n_prompts": n_prompts, "modes": results})
+            metrics = [main_metric] + ["rh_rate"] * (self.rh_detector is not None)
             plot_modes(self.args.output_dir, Path(self.args.output_dir) / "routing_eval.png", metrics)
         for mode, metrics in results.items():
             for key, value in metrics.items():
