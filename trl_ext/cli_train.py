@@ -61,8 +61,7 @@ def build_plan(argv: list[str]) -> Plan:
     reward_config = load_reward_config(config_path)
     for name in [run.reward] * bool(run.reward) + run.eval_reward_names:
         reward_config.reward(name)
-    if run.reward:
-        check_run_routing(run, cfg, reward_config)
+    check_run_routing(run, cfg, reward_config)  # story and --env runs alike (an env detector needs --env)
     check_run_distill(run, cfg)
     base_args = ["--reward", run.reward] if run.reward else ["--env", cfg.env]
     default_run, default_cfg = parser().parse_args_into_dataclasses(args=base_args)
