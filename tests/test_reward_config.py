@@ -3,6 +3,7 @@
 import re
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -99,9 +100,13 @@ def test_shipped_config_evaluates_every_binding():
         assert cfg.reward(name)([text, ""]) == pytest.approx([value, 0.0]), name
     # density 2/15 ~ 0.133 > 0.05; "happy" twice
     expected_detectors = {"happy": True, "happy_repeated": True, "happy_dense": True, "positive_words": True}
-    assert cfg.detector_names() == sorted(expected_detectors)
+    assert cfg.detector_names() == sorted([*expected_detectors, "env_loophole"])
     for name, value in expected_detectors.items():
         assert cfg.detector(name)([text, "A sad dog."]) == [value, False], name
+    paid, clean = ({"loophole": True}, {"loophole": False})  # env_loophole judges episodes' step info, not the text
+    episodes = [SimpleNamespace(turns=[SimpleNamespace(info=clean), SimpleNamespace(info=paid)]),
+                SimpleNamespace(turns=[SimpleNamespace(info=clean)])]
+    assert cfg.detector("env_loophole")([text, text], trajectories=episodes) == [True, False]
     assert cfg.default_detector("sentence_length_5_with_happy") == "happy"
     assert cfg.default_detector("happy_binary") is None
 
@@ -113,8 +118,8 @@ def test_shipped_config_evaluates_every_binding():
          r"reward binding 'r': unknown reward function 'happy_bin'; registered: combined, happy_binary, "
          r"happy_count, happy_exp, sentence_length, sentence_length_smooth$"),
         ("rewards:\n  r: {fn: happy_binary}\ndetectors:\n  d: {fn: happy_counter}\n",
-         r"detector binding 'd': unknown detector 'happy_counter'; registered: contains_words, happy_count, "
-         r"happy_density$"),
+         r"detector binding 'd': unknown detector 'happy_counter'; registered: contains_words, env_info_flag, "
+         r"happy_count, happy_density$"),
         ("rewards:\n  r: {fn: sentence_length, params: {targt: 5}}\n",
          r"unknown param 'targt' for reward function 'sentence_length'; allowed: target$"),
         ("rewards:\n  r: {fn: happy_binary, params: {target: 5}}\n",
