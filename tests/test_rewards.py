@@ -84,7 +84,7 @@ def test_combined_weights_and_caps():
 def test_registry_names():
     assert REWARD_FNS.names() == sorted(
         ["happy_binary", "happy_count", "happy_exp", "sentence_length", "sentence_length_smooth", "combined"])
-    assert DETECTORS.names() == ["contains_words", "happy_count", "happy_density"]
+    assert DETECTORS.names() == ["contains_words", "env_info_flag", "happy_count", "happy_density"]
 
 
 @pytest.mark.parametrize("target", [0, -3, 2.5, True, "5", None])
