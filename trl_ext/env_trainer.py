@@ -125,6 +125,13 @@ def cut_after_answer(ids: list[int], tokenizer) -> tuple[list[int], bool]:
     return ids[:lo], True
 
 
+def answer_stop_sequences(tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Token sequences of the closing answer tag (with and without a leading space): the fast sampler stops a turn
+    there, since everything after it is cut off (`cut_after_answer`, which stays the rule for any other spelling)."""
+    seqs = {tuple(_encode(tokenizer, text)) for text in ("</answer>", " </answer>")}
+    return tuple(sorted(seq for seq in seqs if seq))
+
+
 _SPLIT_DIGITS = re.compile(r"(?<=\d) (?=\d)")
 
 

@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig
 from trl.trainer.utils import RepeatSampler, pad
 
+from trl_ext.env_trainer import answer_stop_sequences
 from trl_ext.importance import NORMALISATIONS, PRIME_RL_DEFAULTS, ImportanceConfig, importance_loss, policy_lag_stats
 from trl_ext.importance import reference_kl
 from trl_ext.offpolicy import PolicyStore, RolloutWorker, SamplingParams, generation_copy
@@ -161,6 +162,7 @@ class OffPolicyMixin:
         params = SamplingParams(
             max_new_tokens=self.max_completion_length, temperature=self.temperature, top_k=args.top_k or 0,
             top_p=args.top_p, eos_token_ids=tuple(self.eos_token_ids), pad_token_id=self._tokenizer.pad_token_id,
+            stop_sequences=answer_stop_sequences(self.processing_class) if args.env else (),
         )  # fmt: skip
         self._rollout_worker = RolloutWorker(
             gen_model, store, params, max_async_level=args.max_async_level, strict=args.strict_async_level,

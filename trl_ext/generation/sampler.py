@@ -40,6 +40,9 @@ class SamplingParams:
     top_p: float  # 1.0 = off
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    """Token sequences that end a row like EOS (their last token is the row's last), e.g. an environment answer's
+    closing tag: sampling past it would only produce tokens that the episode loop cuts off."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -50,6 +53,8 @@ class SamplingParams:
             raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={self.top_k}, top_p={self.top_p}")
         if not self.eos_token_ids:
             raise ValueError("eos_token_ids must not be empty")
+        if any(len(seq) == 0 for seq in self.stop_sequences):
+            raise ValueError("stop sequences must not be empty")
 
 
 @dataclass
@@ -174,6 +179,10 @@ class FastSampler:
             state.noise.exponential_(generator=noise_gen)
         tok, logp = sample_step(logits, params.temperature, params.top_k, params.top_p, state.noise, noise_gen)
         tok, alive, done = finish_step(tok, state.done, state.eos, params.pad_token_id)
+        if state.stops is not None:  # rolling window of each row's last tokens against the stop sequences
+            state.tail.copy_(torch.cat([state.tail[:, 1:], tok[:, None]], 1))
+            hit = ((state.tail[:, None, :] == state.stops[None]) | (state.stops[None] < 0)).all(-1).any(-1)
+            done = done | (hit & alive)
         col = state.pos + 1 - state.prompt_len
         state.tokens.index_copy_(1, col, tok[:, None])
         state.logps.index_copy_(1, col, logp[:, None])
@@ -299,6 +308,11 @@ class _DecodeState:
         self.tok = torch.zeros(batch, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.eos = torch.tensor(params.eos_token_ids, device=device)
+        self.stops = self.tail = None
+        if params.stop_sequences:  # right-aligned, left-padded with -1 (matches anything)
+            width = max(len(seq) for seq in params.stop_sequences)
+            self.stops = torch.tensor([[-1] * (width - len(q)) + list(q) for q in params.stop_sequences], device=device)
+            self.tail = torch.full((batch, width), -1, dtype=torch.long, device=device)
         self.host_pos = 0
         self.graphable = device.type == "cuda"
         self.graph = self.graph_rng = self.graph_training = None
@@ -307,3 +321,5 @@ class _DecodeState:
         self.key_valid[:, : self.prompt_len].copy_(prompt_mask)
         self.done.zero_()
         self.alive.zero_()
+        if self.tail is not None:
+            self.tail.fill_(-1)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from trl import GRPOConfig
 
+from trl_ext.env_trainer import answer_stop_sequences
 from trl_ext.generation.sampler import FastSampler, SamplingParams
 from trl_ext.registry import ConfigError
 
@@ -76,6 +77,7 @@ class GenerationMixin:
         params = SamplingParams(
             max_new_tokens=self.max_completion_length, temperature=self.temperature, top_k=self.top_k or 0,
             top_p=self.top_p, eos_token_ids=tuple(self.eos_token_ids), pad_token_id=self._tokenizer.pad_token_id,
+            stop_sequences=answer_stop_sequences(self.processing_class) if self.args.env else (),
         )  # fmt: skip
         threads = torch.get_num_threads()
         cpu = self.accelerator.device.type == "cpu"
