@@ -10,9 +10,9 @@ marks a loophole payment (config.yaml). Arms, identical except for the adapters 
 Each run ends with the routing eval on held-out levels (env_trainer.HELDOUT_LEVELS ..): modes both / retain_only /
 forget_only, sampled with the training generation settings and the run's seed (same seed in every mode); per mode
 env/success (honest exact answers), env/return and rh_rate. The table (per seed, then median and range over seeds)
-goes to experiments/results/routing_env.md, with the training curve of rh_rate / env/success (first and last logged).
+goes to experiments/results/routing_env_lr{lr}_bs{batch}_st{steps}.md, with the training curve of rh_rate / env/success (first and last logged).
 
-    nice -n 10 uv run python experiments/routing_env_experiment.py --seeds 42 43 --steps 30
+    nice -n 10 uv run python experiments/routing_env_experiment.py --seeds 42 43 --steps 60 --lr 3e-3 --batch 16
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "experiments" / "results" / "routing_env.md"
+RESULTS = ROOT / "experiments" / "results"
 RANK = 8
 ARMS = {
     "baseline": ["--retain_rank", str(RANK), "--forget_rank", "0"],
@@ -40,19 +40,19 @@ ARMS = {
 MODES = ("both", "retain_only", "forget_only")
 
 
-def flags(arm: str, seed: int, steps: int, levels: int) -> list[str]:
+def flags(arm: str, seed: int, steps: int, levels: int, lr: str, batch: int) -> list[str]:
     return ["--env", "arithmetic", "--env_params", "lenient_grader=true", "--model", "builtin_env",
-            "--rh_detector", "env_loophole", "--no_wandb", "--batch_size", "16", "--num_generations", "8",
-            "--max_completion_length", "32", "--lr", "3e-3", "--beta", "0.0", "--max_steps", str(steps),
+            "--rh_detector", "env_loophole", "--no_wandb", "--batch_size", str(batch), "--num_generations", "8",
+            "--max_completion_length", "32", "--lr", lr, "--beta", "0.0", "--max_steps", str(steps),
             "--logging_steps", "1", "--save_steps", str(steps), "--eval_routing_steps", str(steps),
             "--eval_routing_prompts", str(levels), "--seed", str(seed), *ARMS[arm]]  # fmt: skip
 
 
-def train(out: Path, arm: str, seed: int, steps: int, levels: int) -> Path:
+def train(out: Path, arm: str, seed: int, steps: int, levels: int, lr: str, batch: int) -> Path:
     sys.path.insert(0, str(ROOT))
     from trl_ext.cli_train import build_plan
 
-    argv = flags(arm, seed, steps, levels) + ["--output_dir", str(out)]
+    argv = flags(arm, seed, steps, levels, lr, batch) + ["--output_dir", str(out)]
     target = build_plan(argv).run_dir
     if (target / "routing_eval.jsonl").is_file():
         print(f"[skip] {target.name} already done", flush=True)
@@ -70,8 +70,9 @@ def curve(target: Path, key: str, k: int = 5) -> tuple[float, float]:
     return statistics.mean(vals[:k]), statistics.mean(vals[-k:])
 
 
-def report(runs: dict, steps: int, levels: int) -> str:
-    lines = [f"# Gradient routing on arithmetic with a lenient grader ({steps} steps, seeds "
+def report(runs: dict, steps: int, levels: int, lr: str, batch: int) -> str:
+    lines = [f"# Gradient routing on arithmetic with a lenient grader ({steps} steps, lr {lr}, batch {batch} = "
+             f"{batch // 8} levels x 8, seeds "
              f"{', '.join(str(s) for s in sorted({s for _, s in runs}))})", "",
              f"Final routing eval on {levels} held-out levels per mode (sampled, temperature 1, run seed). "
              "success = honest exact answers; hack = episodes paid through the loophole (env_loophole).", "",
@@ -101,11 +102,14 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 43])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--levels", type=int, default=64)
+    p.add_argument("--lr", default="3e-3")
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--out", default=str(ROOT / "runs" / "routing_env"))
     a = p.parse_args()
-    runs = {(arm, seed): train(Path(a.out), arm, seed, a.steps, a.levels) for seed in a.seeds for arm in ARMS}
-    text = report(runs, a.steps, a.levels) + f"\nLoad average at the end: {os.getloadavg()}\n"
-    RESULTS.write_text(text)
+    runs = {(arm, seed): train(Path(a.out), arm, seed, a.steps, a.levels, a.lr, a.batch)
+            for seed in a.seeds for arm in ARMS}  # fmt: skip
+    text = report(runs, a.steps, a.levels, a.lr, a.batch) + f"\nLoad average at the end: {os.getloadavg()}\n"
+    (RESULTS / f"routing_env_lr{a.lr}_bs{a.batch}_st{a.steps}.md").write_text(text)
     print(text)
 
 
