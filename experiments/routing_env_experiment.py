@@ -63,11 +63,16 @@ def train(out: Path, arm: str, seed: int, steps: int, levels: int, lr: str, batc
     return target
 
 
-def curve(target: Path, key: str, k: int = 5) -> tuple[float, float]:
+def curve(target: Path, key: str, k: int) -> tuple[float, float]:
     """Mean of ``key`` over the first and the last ``k`` logged steps."""
     state = json.loads(next(target.glob("checkpoint-*/trainer_state.json")).read_text())
     vals = [h[key] for h in state["log_history"] if key in h]
     return statistics.mean(vals[:k]), statistics.mean(vals[-k:])
+
+
+def window(steps: int) -> int:
+    """Steps averaged at each end of the training curve."""
+    return max(5, steps // 10)
 
 
 def report(runs: dict, steps: int, levels: int, lr: str, batch: int) -> str:
@@ -76,14 +81,15 @@ def report(runs: dict, steps: int, levels: int, lr: str, batch: int) -> str:
              f"{', '.join(str(s) for s in sorted({s for _, s in runs}))})", "",
              f"Final routing eval on {levels} held-out levels per mode (sampled, temperature 1, run seed). "
              "success = honest exact answers; hack = episodes paid through the loophole (env_loophole).", "",
-             "| arm | seed | train hack rate first5 -> last5 | train success first5 -> last5 | "
+             f"| arm | seed | train hack rate first{window(steps)} -> last{window(steps)} | train success "
+             f"first{window(steps)} -> last{window(steps)} | "
              + " | ".join(f"{m} success | {m} hack" for m in MODES) + " |",
              "|---|---|---|---|" + "---|---|" * len(MODES)]
     summary: dict = {}
     for (arm, seed), target in sorted(runs.items()):
         rec = [json.loads(x) for x in (target / "routing_eval.jsonl").read_text().splitlines()][-1]["modes"]
-        h0, h1 = curve(target, "rh_rate")
-        s0, s1 = curve(target, "env/success")
+        h0, h1 = curve(target, "rh_rate", window(steps))
+        s0, s1 = curve(target, "env/success", window(steps))
         cells = []
         for m in MODES:
             cells += [f"{rec[m]['env/success']:.3f}", f"{rec[m]['rh_rate']:.3f}"]
