@@ -12,7 +12,7 @@ forget_only, sampled with the training generation settings and the run's seed (s
 env/success (honest exact answers), env/return and rh_rate. The table (per seed, then median and range over seeds)
 goes to experiments/results/routing_env_lr{lr}_bs{batch}_st{steps}.md, with the training curve of rh_rate / env/success (first and last logged).
 
-    nice -n 10 uv run python experiments/routing_env_experiment.py --seeds 42 43 --steps 60 --lr 3e-3 --batch 16
+    nice -n 10 uv run python experiments/routing_env_experiment.py --seeds 42 43 --steps 300 --lr 1e-3 --batch 32
 """
 
 from __future__ import annotations
@@ -106,10 +106,10 @@ def report(runs: dict, steps: int, levels: int, lr: str, batch: int) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 43])
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--levels", type=int, default=64)
-    p.add_argument("--lr", default="3e-3")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", default="1e-3")
+    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--out", default=str(ROOT / "runs" / "routing_env"))
     a = p.parse_args()
     runs = {(arm, seed): train(Path(a.out), arm, seed, a.steps, a.levels, a.lr, a.batch)
