@@ -294,6 +294,18 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
             if isinstance(m, DualAdapter) for local, p in m.adapter_named_parameters()}
 
 
+def decoder_layers(model: nn.Module, layer_start: int, layer_end: int | None, layer_stride: int):
+    """(``model.model.layers``, the checked end of the adapted range ``layer_start:end:layer_stride``)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers (a Llama-style decoder is expected)")
+    n = len(layers)
+    end = n if layer_end is None else layer_end
+    if not (0 <= layer_start < end <= n) or layer_stride < 1:
+        raise ValueError(f"bad layer range start={layer_start} end={layer_end} stride={layer_stride} for {n} layers")
+    return layers, end
+
+
 def apply_dual_lora(
     model: nn.Module,
     retain_rank: int,
@@ -307,13 +319,7 @@ def apply_dual_lora(
 ) -> DualLoRALayout:
     """Freeze ``model`` and wrap ``targets`` of ``model.model.layers[layer_start:layer_end:layer_stride]``
     (and, optionally, the LM head: a tied base weight stays shared with the embeddings and frozen)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no model.layers (a Llama-style decoder is expected)")
-    n = len(layers)
-    end = n if layer_end is None else layer_end
-    if not (0 <= layer_start < end <= n) or layer_stride < 1:
-        raise ValueError(f"bad layer range start={layer_start} end={layer_end} stride={layer_stride} for {n} layers")
+    layers, end = decoder_layers(model, layer_start, layer_end, layer_stride)
     if not targets or len(set(targets)) != len(targets):
         raise ValueError(f"targets must be non-empty and distinct, got {targets}")
     if any(isinstance(m, DualAdapter) for m in model.modules()):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from trl_ext.routing import _SIDES, DualAdapter, DualLoRALayout
+from trl_ext.routing import _SIDES, DualAdapter, DualLoRALayout, decoder_layers
 
 # --mlp_config presets (small-rl vllm_utils.MLP_PRESETS, HEAD 6f6e986): name -> (retain, forget) neurons.
 MLP_PRESETS = {**{f"m{n}": (n, n) for n in (5, 10, 16, 30, 32, 64, 128)}, "m29f3": (29, 3), "m24f8": (24, 8)}
@@ -91,13 +91,7 @@ def apply_dual_mlp(
     layer_stride: int = 1,
 ) -> DualLoRALayout:
     """Freeze ``model`` and wrap ``model.model.layers[i].mlp`` for i in range(layer_start, layer_end, stride)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no model.layers (a Llama-style decoder is expected)")
-    n = len(layers)
-    end = n if layer_end is None else layer_end
-    if not (0 <= layer_start < end <= n) or layer_stride < 1:
-        raise ValueError(f"bad layer range start={layer_start} end={layer_end} stride={layer_stride} for {n} layers")
+    layers, end = decoder_layers(model, layer_start, layer_end, layer_stride)
     if any(isinstance(m, DualAdapter) for m in model.modules()):
         raise ValueError("the model already has dual adapters")
     if any(not isinstance(getattr(layers[i], "mlp", None), nn.Module) for i in range(layer_start, end, layer_stride)):
