@@ -91,7 +91,6 @@ ENV = ["--env", "arithmetic", "--env_params", "lenient_grader=true", "--model", 
 
 @pytest.mark.parametrize("argv,reason", [
     (["--reward", "sentence_length_5", *ROUTED, "--rh_detector", "env_loophole"], "it needs --env"),
-    ([*ENV, *ROUTED, "--rh_detector", "env_loophole", "--max_async_level", "1"], "needs --max_async_level 0"),
     ([*ENV, *ROUTED], "--env names no rh_detector"),
     ([*ENV, *ROUTED, "--rh_detector", "env_loophole", "--hack_frac", "0.5", "--base_reward",
       "happy_binary"], "hack-free component"),
@@ -114,3 +113,34 @@ def test_routed_env_run_with_routing_eval(builtin_path, tmp_path):
     for metrics in record["modes"].values():
         assert set(metrics) == {"env/success", "env/return", "rh_rate"}
         assert all(v * 4 == int(v * 4) for v in (metrics["env/success"], metrics["rh_rate"]))  # counts over 4 levels
+
+
+@pytest.mark.parametrize("k", [["--max_async_level", "1"], ["--max_async_level", "1", "--strict_async_level"]])
+def test_async_generator_hands_its_episodes_to_the_detector(builtin_path, tmp_path, monkeypatch, k):
+    """Off-policy (k = 1): the episodes the generator thread played reach the episode detector, one per completion
+    and in the completions' order (each completion is its episode's agent text), and the flags are what the
+    detector says of those episodes."""
+    from rewards.detectors import DETECTORS
+
+    seen = []
+    real = DETECTORS._items["env_info_flag"]
+
+    def spy(completions: list[str], *, key: str, trajectories: list | None = None) -> list[bool]:
+        flags = real(completions, key=key, trajectories=trajectories)
+        seen.append((list(completions), list(trajectories), flags))
+        return flags
+
+    monkeypatch.setitem(DETECTORS._items, "env_info_flag", spy)
+    argv = [*ENV, *ROUTED, *k, "--rh_detector", "env_loophole", "--eval_routing_steps", "0", "--save_rollouts",
+            "--save_steps", "2", *BASE, "--output_dir", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    seen = [call for call in seen if len(call[0]) == 8]  # the training batches (config validation probes first)
+    assert len(seen) == 2
+    for completions, trajs, flags in seen:
+        assert len(trajs) == len(completions) == 8
+        # single-turn arithmetic: a completion is its episode's one agent turn
+        squash = lambda text: "".join(text.split())  # noqa: E731  (the two decoders space tokens differently)
+        assert [squash(t.turns[0].agent) for t in trajs] == [squash(c) for c in completions]
+    (run_dir,) = tmp_path.iterdir()
+    ro = load_rollouts(run_dir)
+    assert ro["is_rh"] == [f for _, _, flags in seen for f in flags]

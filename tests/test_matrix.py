@@ -26,10 +26,8 @@ TASKS = {
 }
 DISTILL = {"off": [], "on": ["--teacher_tau", "0.5", "--student_tau", "0.5", "--teacher_context", "A happy story."]}
 ENV_DETECTOR = ["--rh_detector", "env_loophole"]  # routed env cells: the detector judging the episodes' step info
-REJECTED = {
-    # (adapter, k, task) -> the reason train.py gives (exit 2 before any model loads)
-    (a, k, t): "an RH detector on --env needs --max_async_level 0"
-    for a, k, t in itertools.product(["routed"], ["k1_strict", "k1_inflight"], ["env_single", "env_multi"])
+REJECTED: dict[tuple[str, str, str], str] = {
+    # (adapter, k, task) -> the reason train.py gives (exit 2 before any model loads); every cell runs today
 }
 CELLS = list(itertools.product(ADAPTERS, ASYNC, TASKS, DISTILL))
 

@@ -254,7 +254,8 @@ class OffPolicyMixin:
             from trl_ext.env_trainer import log_episodes
 
             extra = dict(rollout.extra)
-            log_episodes(self, extra.pop("trajectories"), self.args.build_env().action_words)
+            self._env_trajectories = extra.pop("trajectories")  # for an environment RH detector, as env_rollout
+            log_episodes(self, self._env_trajectories, self.args.build_env().action_words)
             own.update(extra)
         self.rollout_func = lambda _prompts, _trainer: own  # TRL's hook for externally generated completions
         try:

@@ -211,9 +211,6 @@ class RoutingArgs:
         if self.env and (self.hack_frac < 1.0 or self.needs_base_reward):
             raise ConfigError("--hack_frac < 1, --rh_eligible_frac < 1 and --retain_penalty_baseline need a --reward "
                               "with a --base_reward (an environment's reward has no hack-free component)")
-        if self.env and self.max_async_level > 0 and (self.labelled or self.rh_detector):
-            raise ConfigError("an RH detector on --env needs --max_async_level 0: the asynchronous generator does "
-                              "not hand its episodes to the detector")
         if (self.labelled or self.needs_base_reward) and (
                 self.scale_rewards != "group" or self.multi_objective_aggregation != "sum_then_normalize"):
             raise ConfigError("routing labels and baseline arms rewrite TRL's group advantages: they need "
