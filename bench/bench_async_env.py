@@ -25,7 +25,7 @@ from bench_async import BATCH, WallClock  # noqa: E402  (bench/ is the script's 
 from transformers import AutoTokenizer  # noqa: E402
 
 from trl_ext.config import ExtGRPOConfig  # noqa: E402
-from trl_ext.env_trainer import env_dataset, env_reward  # noqa: E402
+from trl_ext.env.episodes import env_dataset, env_reward  # noqa: E402
 from trl_ext.models import model_source, prepare_tokenizer  # noqa: E402
 from trl_ext.trainer import ExtGRPOTrainer  # noqa: E402
 

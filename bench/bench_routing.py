@@ -32,7 +32,7 @@ from environments.stories import load_prompts
 from rewards.config import as_trl_reward
 from trl_ext.config import LLAMA_PROJECTIONS, ExtGRPOConfig
 from trl_ext.models import model_source, prepare_tokenizer
-from trl_ext.routing_trainer import build_dual_lora_model
+from trl_ext.routing.trainer import build_dual_lora_model
 from trl_ext.trainer import ExtGRPOTrainer
 
 ALPHA = 16.0

@@ -9,7 +9,7 @@ stories contain the word "happy" (a minority, so a "happy" reward has something 
 
 The builtin model's corpus is split once, by seed, into disjoint parts:
 
-- pretraining corpus: ``generate_stories(n, seed=PRETRAIN_SEED)`` (used by ``trl_ext.builtin_model``);
+- pretraining corpus: ``generate_stories(n, seed=PRETRAIN_SEED)`` (used by ``trl_ext.models.builtin``);
 - held-out stories: ``generate_stories(2 * HELDOUT_SPLIT_SIZE, seed=HELDOUT_SEED)``; indices
   ``[0, HELDOUT_SPLIT_SIZE)`` are the prompt split "train", the rest the prompt split "test".
 

@@ -41,7 +41,8 @@ import torch  # noqa: E402
 from environments.base import SEPARATOR, Trajectory, answer_text, make_env, run_episodes  # noqa: E402
 from environments.base import truncate_after_answer  # noqa: E402
 from environments.solvers import shortest_actions  # noqa: E402
-from trl_ext.env_trainer import HELDOUT_LEVELS, decode_agent  # noqa: E402
+from trl_ext.env.args import HELDOUT_LEVELS
+from trl_ext.env.episodes import decode_agent  # noqa: E402
 from trl_ext.models import load_model_and_tokenizer  # noqa: E402
 
 OUT = ROOT / "output" / "distill_env"

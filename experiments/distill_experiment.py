@@ -4,7 +4,7 @@ The teacher is the student's initial weights (``--teacher_model builtin_mood``, 
 full fine-tune and ``--beta 0`` there is no reference model to reuse) given the context "A happy story.";
 the student sees only the story prompt. ``--model builtin_mood`` is the builtin model built on a
 corpus where 30% of the stories carry a title "A <feeling> story." that their feelings follow
-(``trl_ext.builtin_mood_model``); the plain builtin model draws feelings independently, so no context
+(``trl_ext.models.builtin_mood``); the plain builtin model draws feelings independently, so no context
 changes it (step 1 measures both).
 
 Step 1: held-out happy rate of each model on ``prompt`` (student) and on ``context + prompt`` (teacher), and
@@ -89,7 +89,7 @@ def context_kl(model, tok, prompts: list[str], context: str) -> float:
 def context_kl_to(student, teacher, tok, prompts: list[str], context: str) -> float:
     """Mean per-token k1 KL estimate (student - teacher log-prob) on the student's samples; the teacher
     scores them after ``context``."""
-    from trl_ext.distill import build_teacher_inputs, encode_context, teacher_logprobs
+    from trl_ext.distill.teacher import build_teacher_inputs, encode_context, teacher_logprobs
 
     _, ids, out = sample(student, tok, prompts)
     p_ids, p_mask = left_pad([tok(p, add_special_tokens=False)["input_ids"] for p in prompts], tok.pad_token_id)

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import trl_ext.cli_train as cli  # noqa: E402
 from environments.base import answer_text, make_env, run_episodes  # noqa: E402
 from environments.solvers import shortest_actions  # noqa: E402
-from trl_ext.env_trainer import HELDOUT_LEVELS  # noqa: E402
+from trl_ext.env.args import HELDOUT_LEVELS  # noqa: E402
 from trl_ext.models import load_model_and_tokenizer  # noqa: E402
 from trl_ext.sft import model_policy, validate  # noqa: E402
 
@@ -115,7 +115,7 @@ def main() -> None:
     p.add_argument("--stages", default="bandit,frozenlake,arithmetic")
     args = p.parse_args()
     torch.set_num_threads(2)
-    from trl_ext.builtin_env_model import ensure_builtin_env
+    from trl_ext.models.builtin_env import ensure_builtin_env
 
     base = str(ensure_builtin_env())
     raw_path = OUT / "results.json"
@@ -172,7 +172,7 @@ def mean_se(values: list[float]) -> str:
 
 
 def write_table(path: Path, r: dict) -> None:
-    from trl_ext.builtin_env_model import VERSION
+    from trl_ext.models.builtin_env import VERSION
 
     lines = [f"# Environment experiments (builtin_env model {VERSION}, RAGEN prompts, CPU)", "",
              "Produced by `uv run python experiments/env_experiments.py`; numbers as measured. "

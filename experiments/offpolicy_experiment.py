@@ -66,14 +66,14 @@ class PolicyEval(TrainerCallback):
     """Reward of the trained policy (not of the lagged batch) at fixed steps, on held-out prompts."""
 
     def __init__(self, prompt_ids, reward, tokenizer, eos_ids, max_new_tokens, marks):
-        from trl_ext.offpolicy import SamplingParams
+        from trl_ext.offpolicy.worker import SamplingParams
 
         self.prompt_ids, self.reward, self.tokenizer, self.marks = prompt_ids * EVAL_SAMPLES, reward, tokenizer, marks
         self.params = SamplingParams(max_new_tokens, 1.0, 0, 1.0, tuple(eos_ids), tokenizer.pad_token_id)
         self.results: dict[int, float] = {}
 
     def evaluate(self, model, step):
-        from trl_ext.offpolicy import sample
+        from trl_ext.offpolicy.worker import sample
 
         out = sample(model, self.prompt_ids, self.params, torch.Generator().manual_seed(1234))
         texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)

@@ -20,7 +20,7 @@ forget_only is the untrained base model).
 Phase ``arms`` (issue 15): routed vs the filter and reward-penalty baseline arms vs the matched plain LoRA, 3 seeds
 each, on a smaller budget (batch 16 = 2 prompts x 8, 32 tokens, 40 steps, lr 3e-3, adapters on the 7 projections
 and the output layer); the table (median and range over seeds) goes to experiments/results/routing_arms.md and the
-routing-eval curves to routing_arms.png (``trl_ext.routing_plots``).
+routing-eval curves to routing_arms.png (``trl_ext.routing.plots``).
 
     nice -n 10 uv run python experiments/routing_experiment.py --phase arms
 """
@@ -240,12 +240,12 @@ def main():
         results = ARMS_RESULTS if args.recall == 1.0 else ARMS_RESULTS.with_name(f"routing_arms_recall{args.recall:g}.md")
         results.write_text("# Gradient routing arms (builtin model)\n\n" + text + "\n")
         try:
-            from trl_ext.routing_plots import plot_comparison
+            from trl_ext.routing.plots import plot_comparison
 
             plot_comparison({f"{a} s{s}": t for a, ts in dirs.items() for s, t in zip(ARM_SEEDS, ts)},
                             results.with_suffix(".png"), metrics=(f"reward/{TASK}", "rh_rate"))
         except ImportError:
-            print("trl_ext.routing_plots not available: no plot", flush=True)
+            print("trl_ext.routing.plots not available: no plot", flush=True)
         print(text)
         return
     if args.phase == "calibrate":

@@ -25,7 +25,7 @@ def builtin_cache():
     The cache persists across runs, so the builtin model is built at most once per CI run (and not at all
     when the quickstart already built it on this machine).
     """
-    from trl_ext.builtin_model import CACHE_ENV, cache_dir
+    from trl_ext.models.builtin import CACHE_ENV, cache_dir
 
     previous = os.environ.get(CACHE_ENV)
     path = cache_dir()
@@ -40,7 +40,7 @@ def builtin_cache():
 @pytest.fixture(scope="session")
 def builtin_path(builtin_cache):
     """The built builtin model directory (built once, ~3 minutes on 2 cores, if not cached)."""
-    from trl_ext.builtin_model import ensure_builtin
+    from trl_ext.models.builtin import ensure_builtin
 
     return ensure_builtin()
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from trl_ext import builtin_model
-from trl_ext.builtin_model import REQUIRED_FILES, VERSION, ensure_builtin
+from trl_ext.models import builtin as builtin_model
+from trl_ext.models.builtin import REQUIRED_FILES, VERSION, ensure_builtin
 from trl_ext.models import load_model_and_tokenizer, model_source, prepare_tokenizer, resolve_model_arg
 from trl_ext.registry import ConfigError
 
@@ -162,7 +162,7 @@ def test_local_copy_loads_with_identical_logits(builtin_path, tmp_path):
 
 
 def test_cli_prints_path_and_build_info(builtin_path):
-    out = subprocess.run([sys.executable, "-m", "trl_ext.builtin_model"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "trl_ext.models.builtin"], capture_output=True, text=True, check=True)
     path, info = out.stdout.split("\n", 1)
     assert path == str(builtin_path)
     assert json.loads(info)["version"] == VERSION

@@ -9,7 +9,7 @@ import torch
 
 import trl_ext.cli_train as cli
 from trl_ext import models
-from trl_ext.builtin_mood_model import TEACHER_CONTEXT, VERSION, builtin_mood_dir, ensure_builtin_mood
+from trl_ext.models.builtin_mood import TEACHER_CONTEXT, VERSION, builtin_mood_dir, ensure_builtin_mood
 
 
 @pytest.fixture(scope="session")

@@ -9,17 +9,10 @@ import math
 import pytest
 import torch
 
-from trl_ext.distill import (
-    DistillConfig,
-    build_teacher_inputs,
-    distill_advantages,
-    distill_metrics,
-    full_reward_advantages,
-    kl_gate,
-    sequence_rewards,
-    teacher_logprobs,
-    token_kl_bonus,
+from trl_ext.distill.advantages import (
+    DistillConfig, distill_advantages, distill_metrics, full_reward_advantages, kl_gate, sequence_rewards, token_kl_bonus,
 )
+from trl_ext.distill.teacher import build_teacher_inputs, teacher_logprobs
 from trl_ext.registry import ConfigError
 
 X = float("nan")

@@ -12,8 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from environments.base import make_env
 from trl_ext.config import ExtGRPOConfig
-from trl_ext.distill import chat_teacher_prompt, teacher_messages
-from trl_ext.env_trainer import env_dataset, env_reward
+from trl_ext.distill.teacher import chat_teacher_prompt, teacher_messages
+from trl_ext.env.episodes import env_dataset, env_reward
 
 WORDS = ("[UNK] [EOS] < > / answer think jump left right up down reward : - 1 0 . done false true invalid "
          "p _ o g x * junk system user assistant hint go").split()  # fmt: skip
@@ -148,7 +148,7 @@ def test_train_py_pure_distillation_on_frozenlake_builtin_env(builtin_cache, tmp
     import sys
     from pathlib import Path
 
-    from trl_ext.builtin_env_model import ensure_builtin_env
+    from trl_ext.models.builtin_env import ensure_builtin_env
 
     ensure_builtin_env()
     flags = ["--env", "frozenlake", "--model", "builtin_env", "--max_turns", "2", "--teacher_context", CONTEXT,

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trl_ext.cli_train as cli
 from trl_ext.config import ExtGRPOConfig
-from trl_ext.distill import distill_advantages
+from trl_ext.registry import ConfigError
+from trl_ext.distill.advantages import distill_advantages
 from trl_ext.models import prepare_tokenizer
 from trl_ext.trainer import ExtGRPOTrainer
 
@@ -148,13 +149,15 @@ def test_token_path_adds_bonus_in_loss(builtin_path, tmp_path):
         (bonus.sum() / mask.sum()).item(), abs=1e-4)
 
 
-# ------------------------------------------------------------------------------ adv_tau shared with off-policy
-def test_adv_tau_shared_with_offpolicy(builtin_path, tmp_path):
-    trainer = make_trainer(builtin_path, tmp_path, max_async_level=1, adv_tau=0.5)
-    assert trainer.args.adv_tau == 0.5  # the task weight inside the distillation advantages
-    assert trainer.offpolicy_cfg.adv_tau == 1.0  # the off-policy loss uses them as they are
-    with pytest.raises(Exception, match="adv_tau has no effect"):  # without distillation adv_tau is off-policy's
+# ------------------------------------------------------------------------------ adv_tau and loss_adv_tau
+def test_adv_tau_is_distillations_and_loss_adv_tau_is_the_losss(builtin_path, tmp_path):
+    trainer = make_trainer(builtin_path, tmp_path, max_async_level=1, adv_tau=0.5, loss_adv_tau=0.25)
+    assert trainer.distill_cfg.adv_tau == 0.5  # the task weight inside the distillation advantages
+    assert trainer.offpolicy_cfg.loss_adv_tau == 0.25  # the off-policy loss's own weight, independent of it
+    with pytest.raises(ConfigError, match="weights the task reward of distillation"):  # no distillation: no meaning
         ExtGRPOConfig(output_dir=str(tmp_path), report_to=[], adv_tau=0.5)
+    with pytest.raises(ConfigError, match="--loss_adv_tau has no effect with --max_async_level 0"):
+        ExtGRPOConfig(output_dir=str(tmp_path), report_to=[], loss_adv_tau=0.5)
 
 
 # ------------------------------------------------------------------------------ bad command lines
@@ -247,7 +250,7 @@ def test_lora_teacher_is_the_base_model(builtin_path, tmp_path):
 
 
 def test_eval_baseline_same_teacher_same_samples(builtin_path, tmp_path):
-    from trl_ext.distill_trainer import eval_baseline
+    from trl_ext.distill.baseline import eval_baseline
 
     trainer = make_trainer(builtin_path, tmp_path, teacher_context="", student_tau=0.0)
     seen = []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from environments.base import ENVIRONMENTS, answer_text, env_class, make_env, run_episode
-from trl_ext import builtin_env_model
+from trl_ext.models import builtin_env as builtin_env_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import trl_ext.cli_train as cli
 from environments.base import make_env
 from trl_ext.config import ExtGRPOConfig
-from trl_ext.env_trainer import EnvMixin, chat_env_text, cut_after_answer, env_dataset, env_reward, env_rollout
+from trl_ext.env.trainer import EnvMixin, env_rollout
+from trl_ext.env.episodes import chat_env_text, cut_after_answer, env_dataset, env_reward
 
 WORDS = ("[UNK] [EOS] < > / answer think jump left right up down reward : - 1 0 . done false true invalid "
          "p _ o g x * junk").split()  # fmt: skip

@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from trl_ext.generation.sampler import FastSampler, SamplingParams
-from trl_ext.routing import apply_dual_lora
+from trl_ext.routing.adapters import apply_dual_lora
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22], [40, 41, 42, 43, 44], [60]]  # unequal: left padding

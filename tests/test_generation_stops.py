@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_ext.env_trainer import answer_stop_sequences
+from trl_ext.env.episodes import answer_stop_sequences
 from trl_ext.generation.sampler import FastSampler, SamplingParams
 from trl_ext.models import prepare_tokenizer
 

@@ -1,4 +1,4 @@
-"""Exact tests of trl_ext.importance on hand-made tensors; expected values are derived by hand below."""
+"""Exact tests of trl_ext.offpolicy.importance on hand-made tensors; expected values are derived by hand below."""
 
 import dataclasses
 import math
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_ext.importance import (
+from trl_ext.offpolicy.importance import (
     NO_MASK,
     PRIME_RL_DEFAULTS,
     ImportanceConfig,
@@ -52,7 +52,7 @@ def test_config_has_no_defaults_and_dicts_cover_fields():
     assert PRIME_RL_DEFAULTS == {
         "ratio_type": "token", "token_mask_low": 0.125, "token_mask_high": 8.0, "sequence_mask_low": 0.0,
         "sequence_mask_high": 100.0, "geo_mask_low": 0.1, "geo_mask_high": 10.0, "sequence_clip_high": 10.0,
-        "token_clip_high": 1e10, "kl_tau": 0.0, "adv_tau": 1.0,
+        "token_clip_high": 1e10, "kl_tau": 0.0, "loss_adv_tau": 1.0,
     }
     assert set(NO_MASK) <= set(names)
     assert all(v == (0.0 if k.endswith("_low") else 1e10) for k, v in NO_MASK.items())
@@ -71,7 +71,7 @@ def test_config_has_no_defaults_and_dicts_cover_fields():
         ({"sequence_clip_high": -1.0}, "sequence_clip_high"),
         ({"token_clip_high": 0.0}, "token_clip_high"),
         ({"kl_tau": -1e-3}, "kl_tau"),
-        ({"adv_tau": -1.0}, "adv_tau"),
+        ({"loss_adv_tau": -1.0}, "loss_adv_tau"),
         ({"ratio_type": "geo"}, "ratio_type"),
         ({"geo_mask_high": float("nan")}, "geo_mask_high"),
         ({"kl_tau": "1e-3"}, "kl_tau"),
@@ -232,7 +232,7 @@ def test_kl_tau_term_and_gradient(loss_type, kwargs):
     lp_b = [[-1.0, -2.0, -0.5], [-1.2, -0.3, 9.0]]
     adv = [2.0, -1.0]
     lp_t, lp_bt, m, a = batch(logr, lp_b, [[1, 1, 1], [1, 1, 0]], adv)
-    c = cfg(kl_tau=0.1, adv_tau=0.5, token_mask_high=2.0)
+    c = cfg(kl_tau=0.1, loss_adv_tau=0.5, token_mask_high=2.0)
     out = importance_loss(lp_t, lp_bt, a, m, c, loss_type, **kwargs)
     out.loss.backward()
     kept = {(0, 0), (0, 2), (1, 0), (1, 1)}

@@ -1,4 +1,4 @@
-"""trl_ext.offpolicy on tiny random Llamas: the sampler's behaviour log-probs, the generator copy, the weight store and
+"""trl_ext.offpolicy.worker on tiny random Llamas: the sampler's behaviour log-probs, the generator copy, the weight store and
 the generator thread's schedule (strict, non-strict with in-flight updates, resume), with no trainer involved."""
 
 import math
@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from trl_ext.offpolicy import (
+from trl_ext.offpolicy.worker import (
     PolicyStore,
     RolloutWorker,
     SamplingParams,

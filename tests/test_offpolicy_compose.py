@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trl_ext.distill import DistillConfig
-from trl_ext.distill_trainer import DistillMixin
-from trl_ext.importance import NORMALISATIONS, PRIME_RL_DEFAULTS, ImportanceConfig, importance_loss, reference_kl
-from trl_ext.routing import apply_dual_lora, forget_params, retain_params
-from trl_ext.routing_step import select_rows, single_pass_backward, two_pass_backward
+from trl_ext.distill.advantages import DistillConfig
+from trl_ext.distill.trainer import DistillMixin
+from trl_ext.offpolicy.importance import NORMALISATIONS, PRIME_RL_DEFAULTS, ImportanceConfig, importance_loss, reference_kl
+from trl_ext.routing.adapters import apply_dual_lora, forget_params, retain_params
+from trl_ext.routing.step import select_rows, single_pass_backward, two_pass_backward
 
 D = torch.float64
 N, T, P = 6, 6, 3  # samples, completion tokens, prompt tokens
@@ -134,7 +134,7 @@ def test_the_is_batch_really_masks_and_clips():  # so the equality above covers 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from environments.stories import generate_stories
-    from trl_ext.builtin_model import train_tokenizer
+    from trl_ext.models.builtin import train_tokenizer
     from trl_ext.models import prepare_tokenizer
 
     tok = prepare_tokenizer(train_tokenizer(generate_stories(200, 0)))
@@ -152,7 +152,7 @@ def routed_offpolicy_trainer(tiny_dir, tmp_path):
     from datasets import Dataset
 
     from trl_ext.config import ExtGRPOConfig
-    from trl_ext.routing_trainer import build_dual_lora_model
+    from trl_ext.routing.trainer import build_dual_lora_model
     from trl_ext.trainer import ExtGRPOTrainer
 
     path, tok = tiny_dir

@@ -17,10 +17,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 from trl import GRPOTrainer
 
 import trl_ext.cli_train as cli
-import trl_ext.offpolicy_trainer as opt
+import trl_ext.offpolicy.trainer as opt
 from trl_ext.config import ExtGRPOConfig
-from trl_ext.importance import NO_MASK, PRIME_RL_DEFAULTS
-from trl_ext.offpolicy import SamplingParams, generation_copy, sample
+from trl_ext.offpolicy.importance import NO_MASK, PRIME_RL_DEFAULTS
+from trl_ext.offpolicy.worker import SamplingParams, generation_copy, sample
 from trl_ext.trainer import ExtGRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def test_every_seed_flag_exists_with_prime_rl_defaults(tmp_path):
     seed_flags = ["--max_async_level", "4", "--strict_async_level", "--token_mask_low", "0", "--token_mask_high",
                   "1e10", "--sequence_mask_low", "0", "--sequence_mask_high", "1e10", "--geo_mask_low", "0",
                   "--geo_mask_high", "1e10", "--sequence_clip_high", "1e10", "--token_clip_high", "4", "--kl_tau",
-                  "1e-3", "--ratio_type", "token", "--adv_tau", "1"]  # fmt: skip
+                  "1e-3", "--ratio_type", "token", "--loss_adv_tau", "1"]  # fmt: skip
     plan = cli.build_plan(["--reward", "happy_binary", "--output_dir", str(tmp_path), *seed_flags])
     assert plan.cfg.max_async_level == 4 and plan.cfg.strict_async_level and plan.cfg.token_clip_high == 4
     assert {n: getattr(plan.cfg, n) for n in NO_MASK if n != "token_clip_high"} == {

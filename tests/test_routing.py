@@ -1,4 +1,4 @@
-"""DualLoRALinear, presets, apply/layout, scales and parameter groups (trl_ext/routing.py)."""
+"""DualLoRALinear, presets, apply/layout, scales and parameter groups (trl_ext/routing/adapters.py)."""
 
 import copy
 import math
@@ -9,11 +9,12 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_ext.registry import ConfigError
-from trl_ext.routing import (
-    ABLATION_SCALES, ALL_LLAMA_PROJ, LAYOUT_FILENAME, DualLoRALayout, DualLoRALinear, adapters_disabled,
-    apply_dual_lora, dual_lora_modules, forget_params, load_layout, retain_params, save_layout, scales, set_scales,
+from trl_ext.routing.adapters import (
+    ABLATION_SCALES, ALL_LLAMA_PROJ, DualLoRALinear, adapters_disabled, apply_dual_lora, dual_lora_modules, forget_params, retain_params, scales, set_scales,
 )
-from trl_ext.routing_step import routing_mask
+from trl_ext.routing.layout import LAYOUT_FILENAME, DualLoRALayout, load_layout, save_layout
+from trl_ext.routing.checkpoint import apply_layout
+from trl_ext.routing.step import routing_mask
 
 D = torch.float64
 
@@ -212,7 +213,7 @@ def test_layout_round_trip_and_rebuild(tmp_path):
     assert load_layout(tmp_path) == (layout, "exclusive")
     randomize_adapters(model)
     rebuilt = tiny_llama()
-    load_layout(tmp_path)[0].apply(rebuilt)
+    apply_layout(rebuilt, load_layout(tmp_path)[0])
     rebuilt.load_state_dict(model.state_dict())  # strict: same parameter names and shapes
     ids = torch.randint(0, 32, (2, 6))
     assert torch.equal(rebuilt(ids).logits, model(ids).logits)
@@ -284,7 +285,7 @@ def test_lm_head_adapter_trains_through_trl_fused_head():
 
 def test_dual_mlp_adapter_forward_by_hand():
     """y = mlp(x) + s_r down_r(silu(gate_r x) * up_r x) + s_f down_f(...), with hand-set weights."""
-    from trl_ext.routing_mlp import DualMLPAdapter
+    from trl_ext.routing.mlp import DualMLPAdapter
 
     base = nn.Linear(2, 2, bias=False).to(D)
     with torch.no_grad():

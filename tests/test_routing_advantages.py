@@ -1,4 +1,4 @@
-"""Advantages of routed runs and baseline arms, prompt hackability (trl_ext/routing_advantages.py): exact values
+"""Advantages of routed runs and baseline arms, prompt hackability (trl_ext/routing/advantages.py): exact values
 on a hand-made batch of two groups of 4, no model."""
 
 import math
@@ -8,7 +8,7 @@ import torch
 from trl.trainer.utils import nanstd
 
 from trl_ext.registry import ConfigError
-from trl_ext.routing_advantages import EPS, baseline_arm, group_advantages, prompt_hackable, routed_advantages
+from trl_ext.routing.advantages import EPS, baseline_arm, group_advantages, prompt_hackable, routed_advantages
 
 D = torch.float64
 G = 4

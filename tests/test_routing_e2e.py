@@ -68,7 +68,8 @@ def test_train_with_routing_on_builtin(builtin_path, tmp_path):
     assert [h["step"] for h in evals] == [2, 4]
     assert evals[-1]["routing_eval/retain_only/rh_rate"] == records[-1]["modes"]["retain_only"]["rh_rate"]
 
-    from trl_ext.routing import load_dual_lora_checkpoint, retain_params
+    from trl_ext.routing.checkpoint import load_dual_lora_checkpoint
+    from trl_ext.routing.adapters import retain_params
 
     model = load_dual_lora_checkpoint(ckpt)
     assert max(p.abs().max().item() for p in retain_params(model)) > 0  # trained adapters came back

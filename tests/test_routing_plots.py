@@ -1,10 +1,10 @@
-"""Routing-eval plots (trl_ext/routing_plots.py) from hand-written routing_eval.jsonl files."""
+"""Routing-eval plots (trl_ext/routing/plots.py) from hand-written routing_eval.jsonl files."""
 
 import json
 
 import pytest
 
-from trl_ext.routing_plots import curves, main, plot_comparison, plot_modes
+from trl_ext.routing.plots import curves, main, plot_comparison, plot_modes
 
 
 def write_run(d, rates):
@@ -19,7 +19,7 @@ def write_run(d, rates):
 def test_curves_and_plots(tmp_path):
     a = write_run(tmp_path / "a", [(0.5, 0.1, 0.9), (0.6, 0.0, 1.0)])
     b = write_run(tmp_path / "b", [(0.2, 0.2, 0.2), (0.3, 0.3, 0.3)])
-    from trl_ext.routing_eval import read_records
+    from trl_ext.routing.evaluation import read_records
 
     c = curves(read_records(a), "rh_rate")
     assert c == {"both": ([10, 20], [0.5, 0.6]), "retain_only": ([10, 20], [0.1, 0.0]),

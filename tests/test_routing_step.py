@@ -1,12 +1,12 @@
-"""Routed gradient steps and routing labels (trl_ext/routing_step.py), float64 on a tiny Llama."""
+"""Routed gradient steps and routing labels (trl_ext/routing/step.py), float64 on a tiny Llama."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_ext.registry import ConfigError
-from trl_ext.routing import apply_dual_lora, forget_params, retain_params
-from trl_ext.routing_step import (
+from trl_ext.routing.adapters import apply_dual_lora, forget_params, retain_params
+from trl_ext.routing.step import (
     LORA_PRESETS, resolve_adapter_ranks, rh_eligible_mask, routing_labels, routing_mask, select_rows,
     single_pass_backward, two_pass_backward,
 )
@@ -26,7 +26,7 @@ def make_model(adapter="lora", **ckpt) -> LlamaForCausalLM:
                       num_key_value_heads=1, vocab_size=32, max_position_embeddings=32, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg).to(D)
     if adapter == "mlp":
-        from trl_ext.routing_mlp import apply_dual_mlp
+        from trl_ext.routing.mlp import apply_dual_mlp
 
         apply_dual_mlp(model, 2, 3)
     else:
@@ -270,8 +270,8 @@ SMALL_RL_SCALING = {**{f"r{n}": (1.0, 1.0) for n in (1, 2, 4, 8, 16, 32, 64)},
 def test_every_preset_scaling(preset):
     from torch import nn
 
-    from trl_ext.routing import DualLoRALinear
-    from trl_ext.routing_step import resolve_dual_lora_alpha
+    from trl_ext.routing.adapters import DualLoRALinear
+    from trl_ext.routing.step import resolve_dual_lora_alpha
 
     r, f = resolve_adapter_ranks(preset, None, None, routing=True)
     layer = DualLoRALinear(nn.Linear(4, 4), r, f, resolve_dual_lora_alpha(preset, 16.0, explicit=False))

@@ -1,4 +1,4 @@
-"""Gradient routing in the trainer (trl_ext/routing_trainer.py, routing_eval.py): the real ExtGRPOTrainer on
+"""Gradient routing in the trainer (trl_ext/routing/trainer.py, routing_eval.py): the real ExtGRPOTrainer on
 a tiny random Llama with a tokenizer trained on a few stories, plus train.py's bad routing inputs."""
 
 import copy
@@ -12,12 +12,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 import trl_ext.cli_train as cli
 from rewards.config import as_trl_reward
 from trl_ext.config import ExtGRPOConfig
-from trl_ext.routing import (
-    DualLoRALinear, dual_lora_modules, forget_params, load_dual_lora_checkpoint, load_layout, retain_params,
-)
-from trl_ext.routing_eval import evaluate_modes, read_records, score_completions
-from trl_ext.routing_step import routing_labels
-from trl_ext.routing_trainer import AdaptersDisabledReference, build_dual_lora_model
+from trl_ext.routing.adapters import DualLoRALinear, dual_lora_modules, forget_params, retain_params
+from trl_ext.routing.checkpoint import load_dual_lora_checkpoint
+from trl_ext.routing.layout import load_layout
+from trl_ext.routing.evaluation import evaluate_modes, read_records, score_completions
+from trl_ext.routing.step import routing_labels
+from trl_ext.routing.trainer import AdaptersDisabledReference, build_dual_lora_model
 from trl_ext.trainer import ExtGRPOTrainer
 
 SEED = 42
@@ -35,7 +35,7 @@ def n_chars(texts):  # a reward that varies, so GRPO advantages are nonzero
 def tiny(tmp_path_factory):
     """(model dir, tokenizer, train prompts, held-out prompts): a random 2-layer Llama saved to disk."""
     from environments.stories import generate_stories, load_prompts
-    from trl_ext.builtin_model import train_tokenizer
+    from trl_ext.models.builtin import train_tokenizer
     from trl_ext.models import prepare_tokenizer
 
     tok = prepare_tokenizer(train_tokenizer(generate_stories(300, 0)))
@@ -148,8 +148,8 @@ def n_words(texts):  # the base reward (no "hack"): differs from n_chars, so a s
 def test_base_reward_labels_and_advantages_in_the_trainer(tiny, tmp_path, overrides, arm):
     """Each generation: the reward is the base reward where the hack does not pay (ineligible completion or
     unhackable prompt), ineligible completions are never flagged, and the advantages are the arm's."""
-    from trl_ext.routing_advantages import prompt_hackable, routed_advantages
-    from trl_ext.routing_step import rh_eligible_mask
+    from trl_ext.routing.advantages import prompt_hackable, routed_advantages
+    from trl_ext.routing.step import rh_eligible_mask
 
     trainer = make_trainer(tiny, tmp_path, base_reward=("n_words", n_words), **overrides)
     trainer.train()
@@ -239,7 +239,7 @@ def test_adapter_only_checkpoint_reloads_and_eval_run_loads_it(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from trl_ext.evaluate import detect_checkpoint, load_model
-    from trl_ext.routing import ADAPTER_FILENAME
+    from trl_ext.routing.layout import ADAPTER_FILENAME
 
     trainer = make_trainer(tiny, tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=2,
                            save_adapter_only=True)
@@ -296,7 +296,7 @@ def test_quadrant_scores_exact():
 
 
 def test_trace_fires():
-    from trl_ext.routing_trace import trace_fires
+    from trl_ext.routing.trace import trace_fires
 
     assert [s for s in range(7) if trace_fires("every_iter", s, 2, 3)] == [0, 2, 4, 6]
     assert [s for s in range(7) if trace_fires("when_eval", s, 2, 3)] == [3, 6]
@@ -306,7 +306,7 @@ def test_trace_fires():
 
 
 def test_trace_eval_at_start_and_training_quadrants(tiny, tmp_path):
-    from trl_ext.routing_trace import TRACE_FILENAME
+    from trl_ext.routing.trace import TRACE_FILENAME
 
     trainer = make_trainer(tiny, tmp_path, max_steps=4, eval_routing_steps=2, eval_at_start=True,
                            routing_trace_interval="every_iter", routing_trace_samples=3, hack_frac=0.5,
@@ -336,7 +336,7 @@ def test_trace_eval_at_start_and_training_quadrants(tiny, tmp_path):
 
 @pytest.mark.parametrize("adapter_only", [False, True])
 def test_mlp_adapter_checkpoints_reload(tiny, tmp_path, adapter_only):
-    from trl_ext.routing_mlp import DualMLPAdapter
+    from trl_ext.routing.mlp import DualMLPAdapter
 
     trainer = make_trainer(tiny, tmp_path, max_steps=2, save_strategy="steps", save_steps=2,
                            save_adapter_only=adapter_only, eval_routing_steps=2, **MLP)

@@ -17,7 +17,7 @@ from environments.stories import (
     load_prompts,
     story_prefix,
 )
-from trl_ext.builtin_model import train_tokenizer
+from trl_ext.models.builtin import train_tokenizer
 
 SENTENCE = re.compile(r"[^.!?]+[.!?]")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shlex
 import sys
 import time
 import uuid
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from trl_ext.builtin_env_model import BUILTIN_ENV
+from trl_ext.models.builtin_env import BUILTIN_ENV
 from trl_ext.config import ExtGRPOConfig, RunArgs
 from trl_ext.models import LLAMA_PROJECTIONS, STORY_MODELS, model_source, prepare_tokenizer, resolve_model_arg
 from trl_ext.naming import run_name
@@ -39,7 +38,7 @@ def parser() -> HfArgumentParser:
 
 
 def adapter_tag(run: RunArgs, cfg: ExtGRPOConfig) -> str:
-    from trl_ext.routing_trainer import dual_lora_tag
+    from trl_ext.routing.trainer import dual_lora_tag
 
     return dual_lora_tag(cfg) or (f"lora_r{run.lora_rank}" if run.lora_rank else "full")
 
@@ -47,8 +46,8 @@ def adapter_tag(run: RunArgs, cfg: ExtGRPOConfig) -> str:
 def build_plan(argv: list[str]) -> Plan:
     """Parse ``argv`` and validate the run; raises ConfigError (argparse itself exits 2 on bad flags)."""
     from rewards.config import load_reward_config
-    from trl_ext.distill_trainer import check_run_distill
-    from trl_ext.routing_trainer import check_run_routing
+    from trl_ext.distill.args import check_run_distill
+    from trl_ext.routing.trainer import check_run_routing
 
     run, cfg, unknown = parser().parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
@@ -142,7 +141,7 @@ def run_training(plan: Plan) -> int:
 
     from environments.stories import load_prompts
     from rewards.config import as_trl_reward
-    from trl_ext.routing_trainer import routing_setup
+    from trl_ext.routing.trainer import routing_setup
     from trl_ext.runlog import write_run_config
     from trl_ext.runs.faults import NumericFault
     from trl_ext.runs.rundir import open_run_dir
@@ -161,7 +160,7 @@ def run_training(plan: Plan) -> int:
     model_path = model_source(run.model, rebuild=run.rebuild_builtin)
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_path))
     if cfg.env:
-        from trl_ext.env_trainer import env_dataset, env_reward
+        from trl_ext.env.episodes import env_dataset, env_reward
 
         train_dataset, reward_funcs = env_dataset(cfg.build_env(), run.num_prompts, tokenizer), [env_reward]
     else:
@@ -189,7 +188,7 @@ def run_training(plan: Plan) -> int:
         **routing_kwargs,
     )
     if cfg.eval_baseline:
-        from trl_ext.distill_trainer import run_eval_baseline
+        from trl_ext.distill.baseline import run_eval_baseline
 
         run_eval_baseline(trainer, run, rc, prompt_source(run))
     start = time.time()

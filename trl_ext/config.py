@@ -18,10 +18,10 @@ from trl import GRPOConfig
 from environments.stories import BUILTIN_PROMPTS
 from trl_ext.models import LLAMA_PROJECTIONS  # noqa: F401  (re-exported: train.py's LoRA targets)
 from trl_ext.registry import ConfigError
-from trl_ext.distill_trainer import DistillArgs
-from trl_ext.offpolicy_trainer import OffPolicyArgs
-from trl_ext.routing_trainer import RoutingArgs
-from trl_ext.env_trainer import EnvArgs
+from trl_ext.distill.args import DistillArgs
+from trl_ext.offpolicy.args import OffPolicyArgs
+from trl_ext.routing.trainer import RoutingArgs
+from trl_ext.env.args import EnvArgs
 from trl_ext.generation.trainer import GenerationArgs
 from trl_ext.sft import SFTArgs
 

@@ -26,8 +26,8 @@ import yaml
 
 from trl_ext.diversity import mean_pairwise_jaccard, unique_fraction
 from trl_ext.registry import ConfigError
-from trl_ext.routing import ABLATION_SCALES as ABLATION
-from trl_ext.routing import LAYOUT_FILENAME
+from trl_ext.routing.adapters import ABLATION_SCALES as ABLATION
+from trl_ext.routing.layout import LAYOUT_FILENAME
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")  # fmt: skip
@@ -219,7 +219,8 @@ def load_model(path: Path, kind: str):
 
         layout = json.loads((path / "adapter_config.json").read_text())
         return AutoPeftModelForCausalLM.from_pretrained(path, dtype=torch.float32), layout
-    from trl_ext.routing import load_dual_lora_checkpoint, load_layout
+    from trl_ext.routing.checkpoint import load_dual_lora_checkpoint
+    from trl_ext.routing.layout import load_layout
 
     dual, mode = load_layout(path)
     return load_dual_lora_checkpoint(path), {**dual.to_dict(), "routing_mode": mode}
@@ -239,7 +240,7 @@ def evaluate(args: EvalArgs, s: dict) -> dict:
 
     from environments.stories import load_prompts
     from trl_ext.models import prepare_tokenizer
-    from trl_ext.routing_eval import evaluate_modes, sample_completions, score_completions
+    from trl_ext.routing.evaluation import evaluate_modes, sample_completions, score_completions
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, layout = load_model(s["path"], s["kind"])

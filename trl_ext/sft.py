@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from environments.base import Trajectory, env_class, make_env, parse_env_params, run_episodes
 from environments.base import truncate_after_answer
 from environments.solvers import solved_steps, solver_env_names
-from trl_ext.env_trainer import HELDOUT_LEVELS, TRAIN_LEVELS, decode_agent, uses_chat
+from trl_ext.env.args import HELDOUT_LEVELS, TRAIN_LEVELS
+from trl_ext.env.episodes import decode_agent, uses_chat
 from trl_ext.registry import ConfigError
 
 MODES = ("rl", "sft")

@@ -24,12 +24,12 @@ from tqdm.auto import tqdm
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
-from trl_ext.distill_trainer import DistillMixin
-from trl_ext.env_trainer import EnvMixin
+from trl_ext.distill.trainer import DistillMixin
+from trl_ext.env.trainer import EnvMixin
 from trl_ext.generation.trainer import GenerationMixin
 from trl_ext.monitor import ZeroSignalMonitor
-from trl_ext.offpolicy_trainer import OffPolicyMixin
-from trl_ext.routing_trainer import RoutingMixin
+from trl_ext.offpolicy.trainer import OffPolicyMixin
+from trl_ext.routing.trainer import RoutingMixin
 from trl_ext.runs import rollouts
 from trl_ext.runs.faults import NumericFault, check_rewards
 from trl_ext.runs.mixin import CheckpointMixin

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from trl import GRPOConfig
 
-from trl_ext.env_trainer import answer_stop_sequences
+from trl_ext.env.episodes import answer_stop_sequences
 from trl_ext.generation.sampler import FastSampler, SamplingParams
 from trl_ext.registry import ConfigError
 

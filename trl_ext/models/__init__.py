@@ -1,6 +1,6 @@
 """Resolve ``--model`` and load a causal LM with its tokenizer prepared for GRPO generation.
 
-``--model builtin`` is the embedded offline model (``trl_ext.builtin_model``), ``builtin_env`` and
+``--model builtin`` is the embedded offline model (``trl_ext.models.builtin``), ``builtin_env`` and
 ``builtin_mood`` its variants for the environments and for context distillation; anything else is a
 local directory or a hub id loaded with ``from_pretrained`` (e.g. ``SimpleStories/SimpleStories-1.25M``:
 no BOS, ``[EOS]`` = 1, no PAD, prompts tokenized with ``add_special_tokens=False``, generation until EOS).
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from trl_ext.builtin_env_model import BUILTIN_ENV, ensure_builtin_env
-from trl_ext.builtin_model import BUILTIN, ensure_builtin
-from trl_ext.builtin_mood_model import BUILTIN_MOOD, ensure_builtin_mood
+from trl_ext.models.builtin_env import BUILTIN_ENV, ensure_builtin_env
+from trl_ext.models.builtin import BUILTIN, ensure_builtin
+from trl_ext.models.builtin_mood import BUILTIN_MOOD, ensure_builtin_mood
 from trl_ext.registry import ConfigError
 
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from trl_ext.routing_advantages import group_advantages
+from trl_ext.routing.advantages import group_advantages
 
 TRACE_FILENAME = "routing_trace.jsonl"
 TRACE_INTERVALS = ("every_iter", "when_eval", "off")

@@ -22,71 +22,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import torch
 from datasets import Dataset
 
-from environments.base import SEPARATOR, Trajectory, check_max_turns, env_class, feedback_text, make_env
-from environments.base import no_think_rewrite, parse_env_params
-from trl_ext.advantages import ADV_ESTIMATORS, compute_advantages
-from trl_ext.registry import ConfigError
+from environments.base import SEPARATOR, Trajectory, feedback_text, no_think_rewrite
+from trl_ext.env.args import TRAIN_LEVELS
 
-# Level seeds: RL and SFT training levels start at TRAIN_LEVELS, held-out validation levels at
-# HELDOUT_LEVELS (the builtin_env pretraining corpus uses seeds from 1_000_000 on).
-TRAIN_LEVELS = 0
-HELDOUT_LEVELS = 100_000
 _CLOSE_ANSWER = re.compile(r"<\s*/\s*answer\s*>", re.IGNORECASE)
-
-
-@dataclass
-class EnvArgs:
-    env: str = field(
-        default="",
-        metadata={"help": "Train on a text environment (RAGEN): two_armed_bandit, sokoban, frozenlake, arithmetic, "
-                  "prisoners_dilemma. Replaces --reward: the reward is the episode's summed step rewards."},
-    )  # fmt: skip
-    env_params: str = field(
-        default="",
-        metadata={"help": "Environment parameters, key=value pairs separated by commas (values are YAML scalars), "
-                  "e.g. 'slippery=false' or 'size=8,p_frozen=0.9' (frozenlake), 'size=7' (sokoban), "
-                  "'strict=true' (any: the strict answer format, no <think> prefill), "
-                  "'opponent=always_defect' or 'opponent=random' (prisoners_dilemma). Unset: the environment's defaults."},
-    )  # fmt: skip
-    max_turns: int | None = field(
-        default=None, metadata={"help": "Turns per episode (RAGEN max_turns); default: the environment's own."}
-    )
-    adv_estimator: str = field(
-        default="",
-        metadata={"help": "Advantage estimator replacing TRL's: grpo (per group), brpo (whole batch), arpo (raw "
-                  "reward) (RAGEN; trl_ext/advantages.py). Empty: TRL's advantage (--scale_rewards)."},
-    )  # fmt: skip
-    no_think_rl: bool = field(
-        default=False, metadata={"help": "RAGEN no_think_rl: train on the bare <answer>X</answer> of each response."}
-    )
-
-    def validate_env(self) -> None:
-        if self.adv_estimator:
-            ADV_ESTIMATORS.get(self.adv_estimator)  # ConfigError listing the estimators
-            if self.multi_objective_aggregation != "sum_then_normalize":
-                raise ConfigError("--adv_estimator needs --multi_objective_aggregation sum_then_normalize")
-        if self.max_turns is not None:
-            check_max_turns(self.max_turns)
-        if not self.env:
-            for flag, on in (("--max_turns", self.max_turns is not None), ("--no_think_rl", self.no_think_rl),
-                             ("--env_params", bool(self.env_params))):  # fmt: skip
-                if on:
-                    raise ConfigError(f"{flag} needs --env")
-            return
-        self.build_env()  # ConfigError listing the environments, or naming a bad parameter or value
-
-    def build_env(self):
-        """A fresh environment ``--env`` with ``--env_params``."""
-        return make_env(self.env, **parse_env_params(self.env_params))
-
-    @property
-    def turns(self) -> int:
-        return self.max_turns if self.max_turns is not None else env_class(self.env).max_turns_default
 
 
 def uses_chat(tokenizer) -> bool:
@@ -232,20 +174,6 @@ def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSamp
     }  # fmt: skip
 
 
-def env_rollout(prompts: list, trainer) -> dict:
-    """TRL ``rollout_func``: play one episode per prompt (seeds from the batch rows) with TRL's generation."""
-    seeds = [row["env_seed"] for row in trainer._env_rows]
-
-    def generate(contexts):
-        return trainer._generate_single_turn(contexts, None, {}, 1)[0], None, None
-
-    out = play_episodes(prompts, seeds, trainer.args, trainer.processing_class, generate)
-    trainer._env_trajectories = out.pop("trajectories")  # for an environment RH detector (RoutingMixin._detect)
-    log_episodes(trainer, trainer._env_trajectories, trainer.args.build_env().action_words)
-    out.pop("versions")
-    return out
-
-
 def log_episodes(trainer, trajs: list[Trajectory], words: tuple[str, ...]) -> None:
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     n = len(trajs)
@@ -256,36 +184,3 @@ def log_episodes(trainer, trajs: list[Trajectory], words: tuple[str, ...]) -> No
         first = [t.turns[0].info["action"] for t in trajs]
         for w in words:
             metrics[f"env/first_action/{w}"].append(first.count(w) / n)
-
-
-class EnvMixin:
-    """GRPOTrainer hooks: the environment rollout (when ``--env``) and the advantage estimator override."""
-
-    def __init__(self, *args, **kwargs):
-        cfg = kwargs.get("args")
-        if cfg is not None and getattr(cfg, "env", ""):
-            if kwargs.get("rollout_func") is not None:
-                raise ValueError("--env provides the rollout_func; do not pass another")
-            kwargs["rollout_func"] = env_rollout
-        super().__init__(*args, **kwargs)
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._rewards_per_func = rewards_per_func
-        return rewards_per_func
-
-    def _generate_and_score_completions(self, inputs):
-        self._env_rows = inputs  # env_rollout reads each row's env_seed (same order as the prompts)
-        batch = super()._generate_and_score_completions(inputs)
-        if self.args.adv_estimator:
-            batch["advantages"] = self.estimator_advantages(len(inputs))
-        return batch
-
-    def estimator_advantages(self, n_local: int) -> torch.Tensor:
-        """``--adv_estimator`` on the weighted reward sum of the whole (all-process) batch, local slice."""
-        per_func = self._rewards_per_func
-        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
-        group = self.num_generations if self.model.training else self.num_generations_eval
-        adv = compute_advantages(self.args.adv_estimator, rewards, group)
-        start = self.accelerator.process_index * n_local
-        return adv[start : start + n_local]

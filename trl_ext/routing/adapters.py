@@ -30,31 +30,20 @@ mask, so reading it under one raises (use the two-pass step, or an unfused head,
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trl_ext.registry import ConfigError
+from trl_ext.routing.layout import DualLoRALayout
 
 ALL_LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ROUTING_MODES = ("shared", "exclusive")
 # Inference ablations of the routing eval: name -> (retain_scale, forget_scale).
 ABLATION_SCALES = {"both": (1.0, 1.0), "retain_only": (1.0, 0.0), "forget_only": (0.0, 1.0)}
-LAYOUT_FILENAME = "dual_lora_layout.json"
-ADAPTER_FILENAME = "dual_lora_adapter.safetensors"  # adapter-only checkpoints (small-rl --save_adapter_only)
 _SIDES = ("retain", "forget")
-
-
-def check_routing_mode(mode: str) -> None:
-    if mode not in ROUTING_MODES:
-        raise ConfigError(f"unknown routing mode {mode!r}; choose one of {', '.join(ROUTING_MODES)}")
 
 
 class _LowRankBranch(torch.autograd.Function):
@@ -204,96 +193,6 @@ class DualLoRALinear(DualAdapter):
         return f"retain_rank={r}, forget_rank={f}, retain_scale={self.retain_scale}, forget_scale={self.forget_scale}"
 
 
-@dataclass(frozen=True)
-class DualLoRALayout:
-    """Everything needed to rebuild the adapters of a checkpoint (saved as JSON next to it)."""
-
-    retain_rank: int
-    forget_rank: int
-    alpha: float
-    targets: tuple[str, ...]
-    layer_start: int
-    layer_end: int
-    layer_stride: int
-    include_lm_head: bool
-    adapter_type: str = "lora"  # "mlp": DualMLPAdapter on each layer's MLP (ranks = neurons; alpha unused)
-
-    @property
-    def layers(self) -> list[int]:
-        return list(range(self.layer_start, self.layer_end, self.layer_stride))
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "targets": list(self.targets)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DualLoRALayout:
-        names = {f.name for f in fields(cls)}
-        d = {"adapter_type": "lora", **d}  # layouts written before MLP adapters existed are LoRA
-        if set(d) != names:
-            raise ValueError(f"dual LoRA layout: missing {sorted(names - set(d))}, unknown {sorted(set(d) - names)}")
-        return cls(**{**d, "targets": tuple(d["targets"])})
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> DualLoRALayout:
-        return cls.from_dict(json.loads(text))
-
-    def apply(self, model: nn.Module) -> DualLoRALayout:
-        if self.adapter_type == "mlp":
-            from trl_ext.routing_mlp import apply_dual_mlp
-
-            return apply_dual_mlp(model, self.retain_rank, self.forget_rank, self.layer_start, self.layer_end,
-                                  self.layer_stride)
-        if self.adapter_type != "lora":
-            raise ValueError(f"unknown adapter_type {self.adapter_type!r} in a dual adapter layout")
-        return apply_dual_lora(model, self.retain_rank, self.forget_rank, self.alpha, self.layer_start,
-                               self.layer_end, self.layer_stride, self.targets, self.include_lm_head)
-
-
-def save_layout(directory: str | Path, layout: DualLoRALayout, routing_mode: str | None,
-                base: dict | None = None) -> Path:
-    """Write ``dual_lora_layout.json`` (layout fields + routing_mode; None = trained without routing). ``base``
-    ({"path", "fingerprint"}) marks an adapter-only checkpoint: the base weights live at ``path``."""
-    if routing_mode is not None:
-        check_routing_mode(routing_mode)
-    path = Path(directory) / LAYOUT_FILENAME
-    extra = {} if base is None else {"base_model": base}
-    path.write_text(json.dumps({**layout.to_dict(), "routing_mode": routing_mode, **extra}, indent=2, sort_keys=True))
-    return path
-
-
-def _read_layout(directory: str | Path) -> dict:
-    d = json.loads((Path(directory) / LAYOUT_FILENAME).read_text())
-    if "routing_mode" not in d:
-        raise ValueError(f"{Path(directory) / LAYOUT_FILENAME} has no routing_mode")
-    return d
-
-
-def load_layout(directory: str | Path) -> tuple[DualLoRALayout, str | None]:
-    d = _read_layout(directory)
-    mode = d.pop("routing_mode")
-    d.pop("base_model", None)
-    return DualLoRALayout.from_dict(d), mode
-
-
-def base_fingerprint(model: nn.Module) -> list[float]:
-    """(sum, sum of squares) over the frozen base weights in float64: tells a changed base model apart."""
-    adapters = {id(p) for m in model.modules() if isinstance(m, DualAdapter) for _, p in m.adapter_named_parameters()}
-    s = q = 0.0
-    for _, p in sorted(model.named_parameters(remove_duplicate=True)):
-        if id(p) not in adapters:
-            s, q = s + p.detach().double().sum().item(), q + p.detach().double().square().sum().item()
-    return [s, q]
-
-
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter weights of a dual adapter model, by state-dict key (what an adapter-only checkpoint holds)."""
-    return {f"{name}.{local}": p.detach().cpu().contiguous() for name, m in model.named_modules()
-            if isinstance(m, DualAdapter) for local, p in m.adapter_named_parameters()}
-
-
 def decoder_layers(model: nn.Module, layer_start: int, layer_end: int | None, layer_stride: int):
     """(``model.model.layers``, the checked end of the adapted range ``layer_start:end:layer_stride``)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -389,50 +288,3 @@ def scales(model: nn.Module, retain: float, forget: float) -> Iterator[None]:
 def adapters_disabled(model: nn.Module):
     """The base model (both adapters off): the reference policy when beta > 0."""
     return scales(model, 0.0, 0.0)
-
-
-def load_dual_lora_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A checkpoint saved with ``dual_lora_layout.json``, full or adapter-only. Full: the base model built from
-    its config.json, the saved layout applied, then its weights (every key must load; a tied head's shared base
-    weight is the one allowed alias). Adapter-only (``dual_lora_adapter.safetensors``): the base model from the
-    path the layout names (its weights must match the saved fingerprint), the layout applied, then exactly the
-    adapter weights. ``load_layout(ckpt_dir)[1]`` gives the routing mode it was trained with."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    ckpt = Path(ckpt_dir)
-    layout, _ = load_layout(ckpt)
-    base = _read_layout(ckpt).get("base_model")
-    if (ckpt / ADAPTER_FILENAME).is_file() != (base is not None):
-        raise ValueError(f"{ckpt}: {ADAPTER_FILENAME} and the layout's base_model must come together")
-    if base is not None:
-        model = AutoModelForCausalLM.from_pretrained(base["path"], dtype=dtype)
-        got = base_fingerprint(model)
-        if not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9) for a, b in zip(got, base["fingerprint"])):
-            raise ValueError(f"{ckpt}: the base model at {base['path']} is not the one the adapters were trained "
-                             f"on (weight fingerprint {got} != {base['fingerprint']})")
-        layout.apply(model)
-        state = load_file(ckpt / ADAPTER_FILENAME)
-        expected = adapter_state(model)
-        if set(state) != set(expected):
-            raise ValueError(f"{ckpt}: adapter weights do not match the layout: missing "
-                             f"{sorted(set(expected) - set(state))}, unexpected {sorted(set(state) - set(expected))}")
-        model.load_state_dict(state, strict=False)
-    else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt), dtype=dtype)
-        layout.apply(model)
-        index = ckpt / "model.safetensors.index.json"
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
-            "model.safetensors"]
-        state = {}
-        for name in files:
-            state.update(load_file(ckpt / name))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        params = dict(model.named_parameters(remove_duplicate=False))
-        aliases = {k for k in missing if any(params.get(k) is params.get(j) for j in state if j in params)}
-        if unexpected or set(missing) - aliases:
-            raise ValueError(f"{ckpt} does not match its {LAYOUT_FILENAME}: missing {sorted(set(missing) - aliases)}, "
-                             f"unexpected {sorted(unexpected)}")
-    if (ckpt / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(ckpt)
-    return model.eval()

@@ -21,7 +21,7 @@ The model lives in ``<cache>/builtin-<VERSION>/`` (``<cache>`` = ``$TRL_EXT_CACH
 ``~/.cache/trl_ext``), is built on first use under a file lock (several processes started at once
 build it once), in a temporary directory that is renamed into place when complete.
 
-CLI: ``uv run python -m trl_ext.builtin_model [--rebuild]`` prints the path and the build info.
+CLI: ``uv run python -m trl_ext.models.builtin [--rebuild]`` prints the path and the build info.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _is_complete(path: Path) -> bool:
     if missing:
         raise RuntimeError(
             f"builtin model directory {path} is incomplete (missing {missing}); "
-            "rebuild it with `uv run python -m trl_ext.builtin_model --rebuild`"
+            "rebuild it with `uv run python -m trl_ext.models.builtin --rebuild`"
         )
     return True
 
@@ -101,7 +101,7 @@ def _file_lock(path: Path):
 
 def ensure_builtin(rebuild: bool = False) -> Path:
     """The built model's directory; builds it (once, under a file lock) when absent or when ``rebuild``."""
-    return ensure_built(builtin_dir(), "trl_ext.builtin_model", rebuild, "the builtin model")
+    return ensure_built(builtin_dir(), "trl_ext.models.builtin", rebuild, "the builtin model")
 
 
 def ensure_built(target: Path, module: str, rebuild: bool, label: str) -> Path:

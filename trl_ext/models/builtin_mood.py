@@ -2,7 +2,7 @@
 
 The builtin corpus draws every feeling word independently, so no preceding text changes what the
 builtin model writes: a context-distillation teacher ("A happy story." + prompt) would be the
-student itself. This variant is built like ``trl_ext.builtin_model`` (same tokenizer pipeline,
+student itself. This variant is built like ``trl_ext.models.builtin`` (same tokenizer pipeline,
 Llama shape, pretraining loop and schedule shape, same corpus size and seed; ``STEPS`` steps) from
 ``environments.stories.generate_mood_stories``: ``TITLED_FRACTION`` of the stories start with a
 title "A <feeling> story." and their feeling slots follow it w.p. ``MOOD_WEIGHT``; all other
@@ -11,7 +11,7 @@ stories (untitled), so the student without a title writes like the builtin model
 weights given the title become a teacher with that mood.
 
 ``build_info.json`` reports the happy rate of samples with and without ``TEACHER_CONTEXT``.
-Cached in ``<cache>/builtin-mood-<VERSION>/``. CLI: ``uv run python -m trl_ext.builtin_mood_model [--rebuild]``.
+Cached in ``<cache>/builtin-mood-<VERSION>/``. CLI: ``uv run python -m trl_ext.models.builtin_mood [--rebuild]``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from trl_ext import builtin_model as bm
+from trl_ext.models import builtin as bm
 
 BUILTIN_MOOD = "builtin_mood"  # the --model value that selects this model
 VERSION = "v1"
@@ -52,7 +52,7 @@ def build_into(out_dir: Path) -> dict:
 
 def ensure_builtin_mood(rebuild: bool = False) -> Path:
     """The built variant's directory; built once (in a subprocess, under a file lock) when absent."""
-    return bm.ensure_built(builtin_mood_dir(), "trl_ext.builtin_mood_model", rebuild, "the builtin_mood model")
+    return bm.ensure_built(builtin_mood_dir(), "trl_ext.models.builtin_mood", rebuild, "the builtin_mood model")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,7 +17,7 @@ behaviour (generating) policy::
     drop sequence   if geo < geo_mask_low or geo > geo_mask_high
                     or min_M r < sequence_mask_low or max_M r > sequence_mask_high
     ratio = min(r, token_clip_high)   (ratio_type "token")   |   seq broadcast over tokens   ("sequence")
-    coeff = ratio * (adv_tau * A - kl_tau * logr)
+    coeff = ratio * (loss_adv_tau * A - kl_tau * logr)      (prime-rl loss.py: adv_tau, kl_tau)
     loss  = -sum_keep(sg(coeff) * lp_trainer) / normaliser
 
 Every comparison is strict, so a ratio exactly on a bound is kept. A low of 0 never drops anything (ratios are
@@ -79,7 +79,7 @@ PRIME_RL_DEFAULTS: dict[str, float | str] = {
     "sequence_clip_high": 10.0,
     "token_clip_high": DISABLED,
     "kl_tau": 0.0,
-    "adv_tau": 1.0,
+    "loss_adv_tau": 1.0,
 }
 """prime-rl's loss defaults (plus token_clip_high off); the trainer config uses them as its field defaults."""
 
@@ -114,7 +114,7 @@ class ImportanceConfig:
     sequence_clip_high: float
     token_clip_high: float
     kl_tau: float
-    adv_tau: float
+    loss_adv_tau: float
 
     def __post_init__(self) -> None:
         self.validate()
@@ -145,8 +145,8 @@ class ImportanceConfig:
                 raise ConfigError(f"{name} must be > 0 ({DISABLED:g} disables it), got {getattr(self, name)}")
         if self.kl_tau < 0:
             raise ConfigError(f"kl_tau must be >= 0, got {self.kl_tau}")
-        if self.adv_tau < 0:
-            raise ConfigError(f"adv_tau must be >= 0, got {self.adv_tau}")
+        if self.loss_adv_tau < 0:
+            raise ConfigError(f"loss_adv_tau must be >= 0, got {self.loss_adv_tau}")
         if self.ratio_type == "sequence" and self.token_clip_high < DISABLED:
             raise ConfigError(
                 f"token_clip_high={self.token_clip_high} has no effect with ratio_type='sequence' "
@@ -264,7 +264,7 @@ def importance_loss(
             used = ratio.clamp(max=_high(cfg.token_clip_high))
         else:
             used = seq_ratio.unsqueeze(1).expand_as(ratio)
-        coeff = torch.where(keep, used * (cfg.adv_tau * advantages.to(dtype) - cfg.kl_tau * logr), zero)
+        coeff = torch.where(keep, used * (cfg.loss_adv_tau * advantages.to(dtype) - cfg.kl_tau * logr), zero)
 
     per_token = torch.where(keep, -coeff * lp_trainer.to(dtype), zero)
     loss = normalise(per_token, m, num_items_in_batch, max_completion_length)

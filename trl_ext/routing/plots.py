@@ -1,8 +1,8 @@
 """Plots of the routing eval (small-rl plot_routing.py and plot_routing_comparison.py, HEAD 6f6e986): the curves
 of one run per ablation mode over steps, and a comparison of several runs. Both read ``routing_eval.jsonl``.
 
-    uv run python -m trl_ext.routing_plots output/<run>                       # -> output/<run>/routing_eval.png
-    uv run python -m trl_ext.routing_plots output/<a> output/<b> --out cmp.png --metrics reward/sentence_length_5,rh_rate
+    uv run python -m trl_ext.routing.plots output/<run>                       # -> output/<run>/routing_eval.png
+    uv run python -m trl_ext.routing.plots output/<a> output/<b> --out cmp.png --metrics reward/sentence_length_5,rh_rate
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from trl_ext.routing import ABLATION_SCALES
-from trl_ext.routing_eval import read_records
+from trl_ext.routing.adapters import ABLATION_SCALES
+from trl_ext.routing.evaluation import read_records
 
 DEFAULT_METRICS = ("rh_rate",)
 MODE_STYLE = {"both": "-", "retain_only": "--", "forget_only": ":"}

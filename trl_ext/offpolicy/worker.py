@@ -161,7 +161,7 @@ class RolloutWorker:
     hook called in the generator thread before each forward pass.
 
     ``episode_fn(rows, sample_turn)``, when given, plays each batch as environment episodes
-    (``env_trainer.play_episodes``) instead of sampling one completion per prompt: ``sample_turn(contexts)`` samples
+    (``env.episodes.play_episodes``) instead of sampling one completion per prompt: ``sample_turn(contexts)`` samples
     one turn with this worker's sampler, schedule and in-flight updates (weights may change between turns and between
     decoding steps; every token's version says which policy sampled it). It returns ``play_episodes``' dict.
     """

@@ -31,18 +31,16 @@ from torch import nn
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from trl_ext.registry import ConfigError
-from trl_ext.routing import (
-    ADAPTER_FILENAME, DualAdapter, DualLoRALayout, adapter_state, adapters_disabled, apply_dual_lora,
-    base_fingerprint, forget_params, retain_params, save_layout,
-)
-from trl_ext.routing_advantages import prompt_hackable, routed_advantages
-from trl_ext.routing_args import RoutingArgs, check_run_routing, dual_lora_tag  # noqa: F401 (re-exported)
+from trl_ext.routing.layout import ADAPTER_FILENAME, DualLoRALayout, save_layout
+from trl_ext.routing.adapters import DualAdapter, adapters_disabled, apply_dual_lora, forget_params, retain_params
+from trl_ext.routing.checkpoint import adapter_state, base_fingerprint
+from trl_ext.routing.advantages import prompt_hackable, routed_advantages
+from trl_ext.routing.args import RoutingArgs, check_run_routing, dual_lora_tag  # noqa: F401 (re-exported)
 from rewards.detectors import needs_trajectories
-from trl_ext.routing_eval import append_record, env_routing_eval, format_results, routing_eval
-from trl_ext.routing_plots import plot_modes
-from trl_ext.routing_trace import append_trace, trace_fires, trace_records
-from trl_ext.routing_step import rh_eligible_mask, routing_labels, single_pass_backward, two_pass_backward
+from trl_ext.routing.evaluation import append_record, env_routing_eval, format_results, routing_eval
+from trl_ext.routing.plots import plot_modes
+from trl_ext.routing.trace import append_trace, trace_fires, trace_records
+from trl_ext.routing.step import rh_eligible_mask, routing_labels, single_pass_backward, two_pass_backward
 
 TextDetector = Callable[[list[str]], list[bool]]
 
@@ -59,7 +57,7 @@ def build_dual_lora_model(model_path: str, cfg, alpha: float) -> tuple[nn.Module
     model = create_model_from_path(model_path, **kwargs)
     retain, forget = cfg.adapter_ranks
     if cfg.adapter_type == "mlp":
-        from trl_ext.routing_mlp import apply_dual_mlp
+        from trl_ext.routing.mlp import apply_dual_mlp
 
         layout = apply_dual_mlp(model, retain, forget, cfg.lora_layer_start, cfg.lora_layer_end, cfg.lora_layer_stride)
     else:
@@ -245,7 +243,7 @@ class RoutingMixin:
 
     def _detect(self, completions: list[str]) -> list[bool]:
         """The RH detector on this process's completions; an environment detector also gets the episodes that
-        ``env_trainer.env_rollout`` played for them (``_env_trajectories``, same order)."""
+        ``env.trainer.env_rollout`` played for them (``_env_trajectories``, same order)."""
         if not needs_trajectories(self.rh_detector):
             return self.rh_detector(completions)
         trajs, self._env_trajectories = getattr(self, "_env_trajectories", None), None

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from trl_ext.diversity import mean_pairwise_jaccard, unique_fraction
-from trl_ext.routing import ABLATION_SCALES, scales
+from trl_ext.routing.adapters import ABLATION_SCALES, scales
 
 ROUTING_EVAL_FILENAME = "routing_eval.jsonl"
 TextReward = Callable[[list[str]], list[float]]
@@ -150,7 +150,7 @@ def format_results(step: int, results: Mapping[str, Mapping[str, float]]) -> lis
 
 
 def model_turn_sampler(model: nn.Module, tokenizer, generation_config) -> Callable:
-    """An ``env_trainer.play_episodes`` sampler: ``model.generate`` on left-padded token contexts with
+    """An ``env.episodes.play_episodes`` sampler: ``model.generate`` on left-padded token contexts with
     ``generation_config`` (the trainer's sampling settings); each row cut at its first EOS (pad excluded)."""
     eos = generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos or ())
@@ -179,7 +179,8 @@ def env_routing_eval(
     only by the adapters; the caller's RNG is untouched). Per mode: ``env/success`` (the environment's honest
     success), ``env/return`` (mean episode return) and ``rh_rate`` (the detector on the episodes, when one)."""
     from rewards.detectors import needs_trajectories
-    from trl_ext.env_trainer import HELDOUT_LEVELS, env_dataset, play_episodes
+    from trl_ext.env.args import HELDOUT_LEVELS
+    from trl_ext.env.episodes import env_dataset, play_episodes
 
     if n_levels < 1:
         raise ValueError(f"n_levels must be >= 1, got {n_levels}")

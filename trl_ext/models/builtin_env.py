@@ -2,7 +2,7 @@
 
 The builtin model's tokenizer was trained on stories only: it has no ``<``, ``>``, ``_``, ``*``, ``#``
 or digits, so environment observations and ``<answer>`` tags become [UNK]. This variant is built the
-same way (``trl_ext.builtin_model``: same tokenizer pipeline and pruning, same SimpleStories-1.25M-shaped
+same way (``trl_ext.models.builtin``: same tokenizer pipeline and pruning, same SimpleStories-1.25M-shaped
 Llama, same pretraining loop and schedule) from a corpus that adds environment transcripts to the stories:
 
 - ``STORIES`` stories (``generate_stories``, the builtin corpus' seed);
@@ -18,7 +18,7 @@ every observation and answer here, so a normalizer first rewrites ``"\n"`` to th
 symbol no environment prints); without it the model cannot tell where an observation ends.
 
 Cached in ``<cache>/builtin-env-<VERSION>/`` with the builtin model's lock and completeness check.
-CLI: ``uv run python -m trl_ext.builtin_env_model [--rebuild]``.
+CLI: ``uv run python -m trl_ext.models.builtin_env [--rebuild]``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import random
 import time
 from pathlib import Path
 
-from trl_ext import builtin_model as bm
+from trl_ext.models import builtin as bm
 
 BUILTIN_ENV = "builtin_env"  # the --model value that selects this model
 VERSION = "v4"  # v3, v4: RAGEN prompts (issue 13; v4: the condensed bandit prompt)
@@ -98,7 +98,7 @@ def build_into(out_dir: Path) -> dict:
 
 def ensure_builtin_env(rebuild: bool = False) -> Path:
     """The built variant's directory; built once (in a subprocess, under a file lock) when absent."""
-    return bm.ensure_built(builtin_env_dir(), "trl_ext.builtin_env_model", rebuild, "the builtin_env model")
+    return bm.ensure_built(builtin_env_dir(), "trl_ext.models.builtin_env", rebuild, "the builtin_env model")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,9 @@
-"""Trainer plumbing of off-policy training: the ``--max_async_level`` flags (`OffPolicyArgs`) and the GRPOTrainer hooks
-(`OffPolicyMixin`). The rollout machinery is in ``trl_ext.offpolicy``, the loss in ``trl_ext.importance``.
+"""Trainer plumbing of off-policy training: the GRPOTrainer hooks (`OffPolicyMixin`); the flags are
+``trl_ext.offpolicy.args``. The rollout machinery is in ``trl_ext.offpolicy.worker``, the loss in ``trl_ext.offpolicy.importance``.
 
 With ``max_async_level = 0`` (the default) nothing changes: TRL's own synchronous generation and loss run untouched.
-With k > 0 a generator thread samples batches ahead of the trainer (``trl_ext.offpolicy`` has the schedule) and every
-training step uses the masked importance-sampling loss of prime-rl (``trl_ext.importance``) with the recorded behaviour
+With k > 0 a generator thread samples batches ahead of the trainer (``trl_ext.offpolicy.worker`` has the schedule) and every
+training step uses the masked importance-sampling loss of prime-rl (``trl_ext.offpolicy.importance``) with the recorded behaviour
 log-probs, whatever the masks are set to: with the masks off (``importance.NO_MASK``) it is REINFORCE weighted by the
 plain importance ratio. TRL's PPO clip (epsilon, delta), its sequence-level IS, entropy masks and bonus do not apply
 to that loss and must stay at their defaults. The KL penalty to the reference model (beta) is TRL's k3 estimator on
@@ -15,101 +15,16 @@ multiplies by the ratio to its old policy, here the behaviour policy), normalise
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import TrainerCallback
-from trl import GRPOConfig
 from trl.trainer.utils import RepeatSampler, pad
 
-from trl_ext.env_trainer import answer_stop_sequences
-from trl_ext.importance import NORMALISATIONS, PRIME_RL_DEFAULTS, ImportanceConfig, importance_loss, policy_lag_stats
-from trl_ext.importance import reference_kl
-from trl_ext.offpolicy import PolicyStore, RolloutWorker, SamplingParams, generation_copy
+from trl_ext.env.episodes import answer_stop_sequences
+from trl_ext.offpolicy.importance import NORMALISATIONS, ImportanceConfig, importance_loss, policy_lag_stats
+from trl_ext.offpolicy.importance import reference_kl
+from trl_ext.offpolicy.worker import PolicyStore, RolloutWorker, SamplingParams, generation_copy
 from trl_ext.registry import ConfigError
-
-_PPO_ONLY = ("epsilon", "epsilon_high", "delta", "importance_sampling_level", "top_entropy_quantile",
-             "off_policy_mask_threshold", "entropy_coef", "use_adaptive_entropy",
-             "num_iterations", "min_p", "repetition_penalty", "generation_kwargs", "use_vllm",
-             "use_transformers_continuous_batching", "steps_per_generation", "generation_batch_size")  # fmt: skip
-"""GRPOConfig fields that must keep TRL's default when max_async_level > 0 (unused by, or incompatible with, the
-off-policy loss and the generator thread)."""
-
-
-def _loss_field(name: str, help_text: str):
-    return field(default=PRIME_RL_DEFAULTS[name], metadata={"help": help_text})
-
-
-@dataclass
-class OffPolicyArgs:
-    """Flags of off-policy training (seed 000; prime-rl's orchestrator and trainer.loss options)."""
-
-    max_async_level: int = field(
-        default=0,
-        metadata={"help": "k: the batch trained at step n was sampled by a policy at most k steps old; 0 = synchronous "
-                  "on-policy (TRL's own generation and loss)."},
-    )  # fmt: skip
-    strict_async_level: bool = field(
-        default=False,
-        metadata={"help": "Sample the batch of step n with exactly policy max(n - k, start step); otherwise the newest "
-                  "policy, updated in flight between decoding steps (PipelineRL). Needs --max_async_level >= 1."},
-    )  # fmt: skip
-    generator_threads: int = field(
-        default=0,
-        metadata={"help": "CPU: torch threads of the generator thread (the trainer keeps the rest); 0 = half of "
-                  "torch.get_num_threads(), at least 1."},
-    )  # fmt: skip
-    ratio_type: str = _loss_field("ratio_type", "Importance ratio: 'token' (per token) or 'sequence' (exp of the "
-                                  "summed log-ratio, capped at e^10, clipped at --sequence_clip_high).")
-    token_mask_low: float = _loss_field("token_mask_low", "Drop tokens whose ratio is below this (0 = off).")
-    token_mask_high: float = _loss_field("token_mask_high", "Drop tokens whose ratio is above this (1e10 = off).")
-    sequence_mask_low: float = _loss_field("sequence_mask_low", "Drop sequences whose min token ratio is below this.")
-    sequence_mask_high: float = _loss_field("sequence_mask_high", "Drop sequences whose max token ratio is above this.")
-    geo_mask_low: float = _loss_field("geo_mask_low", "Drop sequences whose geometric-mean ratio is below this.")
-    geo_mask_high: float = _loss_field("geo_mask_high", "Drop sequences whose geometric-mean ratio is above this.")
-    sequence_clip_high: float = _loss_field("sequence_clip_high", "Clip of the sequence ratio (1e10 = off).")
-    token_clip_high: float = _loss_field("token_clip_high", "Truncated IS: clamp the token ratio at this (1e10 = off; "
-                                         "Yao et al. 2025).")
-    kl_tau: float = _loss_field("kl_tau", "Weight of the -kl_tau * log-ratio term added to the advantage (prime-rl).")
-    adv_tau: float = _loss_field("adv_tau", "Weight of the advantage in the off-policy loss.")
-
-    def validate_offpolicy(self) -> None:
-        """Raise ConfigError for impossible settings (called by ExtGRPOConfig before TRL's own checks)."""
-        k = self.max_async_level
-        if k < 0:
-            raise ConfigError(f"--max_async_level must be >= 0, got {k}")
-        if self.strict_async_level and k == 0:
-            raise ConfigError("--strict_async_level needs --max_async_level >= 1 (0 is synchronous on-policy)")
-        if self.generator_threads < 0:
-            raise ConfigError(f"--generator_threads must be >= 0, got {self.generator_threads}")
-        ImportanceConfig.from_object(self)  # validates every loss flag
-        if k == 0:
-            changed = [n for n in PRIME_RL_DEFAULTS if getattr(self, n) != PRIME_RL_DEFAULTS[n]]
-            if changed:
-                raise ConfigError(f"--{changed[0]} has no effect with --max_async_level 0 (on-policy: TRL's own loss)")
-            return
-        NORMALISATIONS.get(self.loss_type)
-        if self.use_vllm:
-            raise ConfigError(
-                "--use_vllm with --max_async_level >= 1 is not implemented: the asynchronous generator is a copy of "
-                "the policy sampled in a thread on the training device (README 'Off-policy training'); use "
-                "--max_async_level 0 for TRL's synchronous vLLM path"
-            )
-        defaults = {f.name: f.default for f in fields(GRPOConfig)}
-        for name in _PPO_ONLY:
-            if getattr(self, name) != defaults[name] and not (name == "steps_per_generation" and self._spg_is_ga()):
-                raise ConfigError(
-                    f"--{name} {getattr(self, name)!r} is not supported with --max_async_level {k} "
-                    f"(keep TRL's default {defaults[name]!r}; the off-policy loss and generator do not use it)"
-                )
-        if self.max_completion_length is None or self.max_completion_length < 1:
-            raise ConfigError("--max_completion_length must be >= 1 with --max_async_level >= 1")
-        if not self.temperature > 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ConfigError(f"the generator needs --temperature > 0, 0 < --top_p <= 1 and --top_k >= 0, got "
-                              f"{self.temperature}, {self.top_p}, {self.top_k}")  # fmt: skip
-
-    def _spg_is_ga(self) -> bool:
-        return self.steps_per_generation == self.gradient_accumulation_steps
 
 
 class _PublishWeights(TrainerCallback):
@@ -177,9 +92,9 @@ class OffPolicyMixin:
               f"{args.max_async_level}, {mode}, generator threads {gen_threads}", flush=True)  # fmt: skip
 
     def _episode_fn(self):
-        """``--env``: the generator thread plays each batch's episodes (``env_trainer.play_episodes``) with its own
+        """``--env``: the generator thread plays each batch's episodes (``env.episodes.play_episodes``) with its own
         tokenizer copy (a fast tokenizer is not safe to share between threads)."""
-        from trl_ext.env_trainer import play_episodes
+        from trl_ext.env.episodes import play_episodes
 
         args, tok = self.args, copy.deepcopy(self.processing_class)
 
@@ -251,7 +166,7 @@ class OffPolicyMixin:
             raise RuntimeError("prompts of the generation batch differ from the rollout's prompts")
         own = {"prompt_ids": rollout.prompt_ids, "completion_ids": rollout.completion_ids, "logprobs": rollout.logprobs}
         if self.args.env:  # episodes played by the generator thread: env_mask, env_return; metrics logged here
-            from trl_ext.env_trainer import log_episodes
+            from trl_ext.env.episodes import log_episodes
 
             extra = dict(rollout.extra)
             self._env_trajectories = extra.pop("trajectories")  # for an environment RH detector, as env_rollout
