@@ -1,6 +1,5 @@
 """Environment training plumbing: flags, the estimator override, the multi-turn rollout and its loss mask."""
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import trl_ext.cli_train as cli
 from environments.base import make_env
 from trl_ext.config import ExtGRPOConfig
-from trl_ext.env.trainer import EnvMixin, env_rollout
+from trl_ext.env.trainer import env_rollout
 from trl_ext.env.episodes import chat_env_text, cut_after_answer, env_dataset, env_reward
 
 WORDS = ("[UNK] [EOS] < > / answer think jump left right up down reward : - 1 0 . done false true invalid "
@@ -84,32 +83,6 @@ def test_n_rollout_is_num_generations():
     cfg = cli.parser().parse_args_into_dataclasses(args=["--env", "frozenlake", "--n_rollout", "8"])[1]
     assert cfg.num_generations == 8 and cfg.turns == 5  # frozenlake's own max_turns
     assert ExtGRPOConfig(output_dir="o", env="sokoban", max_turns=2).turns == 2
-
-
-# --- advantage estimator override ----------------------------------------------------------------
-
-
-def _stub(estimator, rewards_per_func, weights, group=2, process_index=0):
-    return SimpleNamespace(
-        args=SimpleNamespace(adv_estimator=estimator), _rewards_per_func=torch.tensor(rewards_per_func),
-        reward_weights=torch.tensor(weights), num_generations=group, num_generations_eval=group,
-        model=SimpleNamespace(training=True), accelerator=SimpleNamespace(process_index=process_index),
-    )  # fmt: skip
-
-
-def test_estimator_override_uses_weighted_reward_sum():
-    # Weighted sums: [1*1 + 0.5*2, 0, 0, 0] = [2, 0, 0, 0]; mean 0.5; unbiased std
-    # sqrt((1.5^2 + 3 * 0.5^2) / 3) = 1 -> brpo [1.5, -0.5, -0.5, -0.5].
-    per_func = [[1.0, 2.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
-    adv = EnvMixin.estimator_advantages(_stub("brpo", per_func, [1.0, 0.5]), 4)
-    assert torch.allclose(adv, torch.tensor([1.5, -0.5, -0.5, -0.5]), atol=1e-5)
-    # grpo, groups of 2: [2, 0] -> +-(1 / sqrt(2)); [0, 0] -> 0.
-    adv = EnvMixin.estimator_advantages(_stub("grpo", per_func, [1.0, 0.5]), 4)
-    assert torch.allclose(adv, torch.tensor([1 / math.sqrt(2), -1 / math.sqrt(2), 0.0, 0.0]), atol=1e-5)
-    # arpo: raw; process 1 of 2 keeps rows 2..3.
-    adv = EnvMixin.estimator_advantages(_stub("arpo", [[3.0, 0.0], [1.0, 0.0], [-1.0, 0.0], [7.0, 0.0]], [1.0, 1.0],
-                                              process_index=1), 2)  # fmt: skip
-    assert adv.tolist() == [-1.0, 7.0]
 
 
 # --- rollout pieces ------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from trl_ext.estimator import estimate_advantages
 from trl_ext.distill.advantages import DistillConfig
 from trl_ext.distill.trainer import DistillMixin
 from trl_ext.offpolicy.importance import NORMALISATIONS, PRIME_RL_DEFAULTS, ImportanceConfig, importance_loss, reference_kl
@@ -216,17 +217,12 @@ def _trainer_batch(trainer, model):
 # ------------------------------------------------------------------ distillation advantages from behaviour log-probs
 
 
-class _Scored:
-    """Stands for the trainer below DistillMixin: returns a hand-made scored batch."""
+class _Stub(DistillMixin):
+    """DistillMixin's scorer stage on a hand-made scored batch (no model)."""
 
-    def _generate_and_score_completions(self, inputs):
-        return dict(self.scored)
-
-
-class _Stub(DistillMixin, _Scored):
-    def __init__(self, scored, cfg, task, lp_teacher):
-        self.scored, self.distill_cfg, self._distill_task, self._lp_teacher = scored, cfg, task, lp_teacher
-        self.model = SimpleNamespace(training=True)
+    def __init__(self, cfg, task, lp_teacher):
+        self.distill_cfg, self._distill_task, self._lp_teacher = cfg, task, lp_teacher
+        self.model, self.rollout_columns = SimpleNamespace(training=True), {}
         self.num_generations = 2
         self._metrics = {"train": defaultdict(list, frac_reward_zero_std=[0.0])}
 
@@ -250,9 +246,11 @@ def test_distill_student_term_uses_behaviour_logprobs_on_hand_made_tensors():
               "old_per_token_logps": torch.zeros(4, 3), "advantages": torch.zeros(4)}  # fmt: skip
     cfg = DistillConfig(adv_tau=0.5, teacher_tau=1.0, student_tau=0.5, use_full_reward_baseline=True,
                         kl_only_incorrect=False, skip_verification=False, teacher_context="")  # fmt: skip
-    out = _Stub(scored, cfg, torch.tensor([1.0, 0.0, 0.0, 1.0]), lp_teacher)._generate_and_score_completions([])
+    result = _Stub(cfg, torch.tensor([1.0, 0.0, 0.0, 1.0]), lp_teacher).distill_score(dict(scored), [])
     # R0 = 0.5 - 6 + 1.5 = -4;  R1 = 0 - 2 + 2 = 0;  R2 = 0 - 3 + 0.25 = -2.75;  R3 = 0.5 - 1 + 2 = 1.5 (agent tokens)
-    assert out["advantages"].tolist() == [-2.0, 2.0, -2.125, 2.125]
+    assert result.parts.total.tolist() == [-4.0, 0.0, -2.75, 1.5]
+    # the estimator stage: distillation's advantage is the base
+    assert estimate_advantages(torch.zeros(4), 2, distill=result).advantages.tolist() == [-2.0, 2.0, -2.125, 2.125]
 
 
 def test_distill_on_k1_builds_advantages_from_the_generators_logprobs(tmp_path, monkeypatch):

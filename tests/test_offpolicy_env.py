@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from environments.base import make_env
-from trl_ext.env.trainer import SEPARATOR
+from environments.base import SEPARATOR
 from trl_ext.env.episodes import play_episodes
 from trl_ext.runs.rollouts import load_rollouts
 

@@ -18,6 +18,7 @@ from trl import GRPOTrainer
 
 import trl_ext.cli_train as cli
 import trl_ext.offpolicy.trainer as opt
+from trl_ext.offpolicy.args import OffPolicyArgs
 from trl_ext.config import ExtGRPOConfig
 from trl_ext.offpolicy.importance import NO_MASK, PRIME_RL_DEFAULTS
 from trl_ext.offpolicy.worker import SamplingParams, generation_copy, sample
@@ -66,7 +67,7 @@ def test_every_seed_flag_exists_with_prime_rl_defaults(tmp_path):
     assert {n: getattr(plan.cfg, n) for n in NO_MASK if n != "token_clip_high"} == {
         n: v for n, v in NO_MASK.items() if n != "token_clip_high"
     }
-    defaults = {f.name: f.default for f in fields(opt.OffPolicyArgs)}
+    defaults = {f.name: f.default for f in fields(OffPolicyArgs)}
     assert {n: defaults[n] for n in PRIME_RL_DEFAULTS} == PRIME_RL_DEFAULTS
     # prime-rl's values, written out: token mask [1/8, 8], geo [0.1, 10], sequence [0, 100], sequence clip 10
     assert (defaults["token_mask_low"], defaults["token_mask_high"]) == (0.125, 8.0)
@@ -164,7 +165,7 @@ def test_gradient_equals_stock_trl_on_policy(tmp_path, loss_type, beta, masks):
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     inputs = _batch(trainer)
-    ours = _grads(trainer, opt.OffPolicyMixin._compute_loss, inputs)
+    ours = _grads(trainer, opt.OffPolicyMixin.offpolicy_loss, inputs)
     stock = _grads(trainer, GRPOTrainer._compute_loss, inputs)
     assert trainer._metrics["train"]["offpolicy/ratio_mean"] == [1.0]  # ours ran, at ratio exactly 1
     assert max((a - b).abs().max().item() for a, b in zip(ours, stock, strict=True)) < 1e-6
@@ -185,15 +186,15 @@ def test_reference_kl_follows_masks_and_clip_through_trainer(tmp_path, clip):
     lp_b[0, 0] += 3.0  # ratio e^-3 = 0.05 < 0.125: token 0 of row 0 dropped
     lp_b[1, 2] -= 0.6  # ratio e^0.6 = 1.82: kept, and clipped at 1.5 when clip
     inputs["sampling_per_token_logps"] = lp_b
-    base = _grads(trainer, opt.OffPolicyMixin._compute_loss, inputs)
+    base = _grads(trainer, opt.OffPolicyMixin.offpolicy_loss, inputs)
     moved = dict(inputs, ref_per_token_logps=inputs["ref_per_token_logps"].clone())
     moved["ref_per_token_logps"][3] -= 2.0
     moved["ref_per_token_logps"][0, 0] -= 2.0
-    assert max((a - b).abs().max().item() for a, b in zip(base, _grads(trainer, opt.OffPolicyMixin._compute_loss,
+    assert max((a - b).abs().max().item() for a, b in zip(base, _grads(trainer, opt.OffPolicyMixin.offpolicy_loss,
                                                                          moved), strict=True)) == 0.0  # fmt: skip
     kept = dict(inputs, ref_per_token_logps=inputs["ref_per_token_logps"].clone())
     kept["ref_per_token_logps"][2, 0] -= 2.0  # a kept token: its reference log-prob does move the gradient
-    assert max((a - b).abs().max().item() for a, b in zip(base, _grads(trainer, opt.OffPolicyMixin._compute_loss,
+    assert max((a - b).abs().max().item() for a, b in zip(base, _grads(trainer, opt.OffPolicyMixin.offpolicy_loss,
                                                                          kept), strict=True)) > 1e-6  # fmt: skip
     metrics = trainer._metrics["train"]
     assert metrics["offpolicy/geo_masked_high_frac"][-1] == pytest.approx(1 / 6)

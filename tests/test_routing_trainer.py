@@ -1,4 +1,4 @@
-"""Gradient routing in the trainer (trl_ext/routing/trainer.py, routing_eval.py): the real ExtGRPOTrainer on
+"""Gradient routing in the trainer (trl_ext/routing/trainer.py, routing/evaluation.py): the real ExtGRPOTrainer on
 a tiny random Llama with a tokenizer trained on a few stories, plus train.py's bad routing inputs."""
 
 import copy
@@ -354,13 +354,15 @@ def test_mlp_adapter_checkpoints_reload(tiny, tmp_path, adapter_only):
 
 
 def test_detector_flags_without_a_reward_call(tiny, tmp_path, monkeypatch):
-    """Pure distillation calls no reward function (DistillMixin returns zeros): the detector still flags."""
+    """Pure distillation calls no reward function (the reward stage returns zeros): the detector still flags."""
     trainer = make_trainer(tiny, tmp_path, gradient_routing=False, routing_mode=None, max_steps=1)
-    monkeypatch.setattr(trainer, "_calculate_rewards", lambda inputs, prompts, completions, ids: torch.zeros(
-        len(prompts), 1))
+    monkeypatch.setattr(type(trainer), "distill_skips_rewards", property(lambda self: True))
+    called = []
+    monkeypatch.setattr(trainer, "routing_rewards", lambda *a: called.append(a))
     trainer.train()
     (_, batch), = trainer.generations
     assert batch["is_rh"].tolist() == odd_words(trainer.decode_completions(batch)) and "is_bad" not in batch
+    assert called == []  # no reward, so no base-reward substitution either
 
 
 def test_routing_eval_logs_everywhere_and_restores(tiny, tmp_path, capsys):

@@ -17,6 +17,7 @@ from trl import GRPOConfig
 
 from environments.stories import BUILTIN_PROMPTS
 from trl_ext.models import LLAMA_PROJECTIONS  # noqa: F401  (re-exported: train.py's LoRA targets)
+from trl_ext.estimator import check_estimator_flags
 from trl_ext.registry import ConfigError
 from trl_ext.distill.args import DistillArgs
 from trl_ext.offpolicy.args import OffPolicyArgs
@@ -26,7 +27,7 @@ from trl_ext.generation.trainer import GenerationArgs
 from trl_ext.sft import SFTArgs
 
 PROMPT_SOURCES = (BUILTIN_PROMPTS, "simplestories")
-DEFAULT_LORA_ALPHA = 16.0  # PEFT LoRA and explicit dual LoRA ranks; presets carry their own (routing_step.py)
+DEFAULT_LORA_ALPHA = 16.0  # PEFT LoRA and explicit dual LoRA ranks; presets carry their own (routing/step.py)
 
 
 @dataclass
@@ -160,6 +161,8 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
         self.validate_env()
         self.validate_sft()
         self.validate_generation()
+        arm = self.baseline or (self.renormalization if self.gradient_routing else None)
+        check_estimator_flags(adv_estimator=self.adv_estimator, distill_on=self.distill_on, routing_arm=arm)
         try:
             super().__post_init__()
         except ValueError as e:  # TRL's own checks (e.g. generation batch not divisible by num_generations)

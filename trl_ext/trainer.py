@@ -1,16 +1,26 @@
-"""`ExtGRPOTrainer`: TRL's GRPOTrainer with the project's hooks. Plumbing only; the math lives in
-the feature modules (routing, importance, distill, advantages).
+"""`ExtGRPOTrainer`: TRL's GRPOTrainer with the project's features, composed by one explicit batch flow. Plumbing
+only: each stage is a feature's method, the math lives in the feature subpackages (routing, offpolicy, distill, env).
 
-Hooks overridden:
-- `_tokenize_prompts`: plain-text prompts are tokenized with ``add_special_tokens=False``
-  (SimpleStories' tokenizer appends [EOS] otherwise, and generation would start after an EOS).
-- `_generate_and_score_completions`: decodes the completions once and logs the `--eval_rewards`
-  components and the zero-reward-spread monitor.
-- `_calculate_rewards`: every reward must be a finite number (`runs.faults`: a NaN/inf reward stops the run,
-  naming the function, the step and the completion; TRL would count it as 0).
-- `log`: prints ``[Sample @ step N] prompt ||| completion`` every logging step.
-- With ``--save_rollouts``, every scored batch is written to ``{run_dir}/rollouts/`` (`runs.rollouts`).
-Checkpoints, resume and numeric faults of the loss and gradient norm: `runs.mixin.CheckpointMixin`.
+One generation batch (`_generate_and_score_completions`), in this order; ``trl_ext/batch.py`` is the schema of the
+batch dict every stage reads and extends:
+1. **rollout source**: TRL's generation (``--generation_backend trl|fast``: `generation.trainer`), the environment
+   loop (``--env``: `env.trainer.env_rollout`, TRL's ``rollout_func``), or the asynchronous generator thread
+   (``--max_async_level >= 1``: `offpolicy.trainer`, either of the two), all into TRL's own batch building;
+2. **rewards** (`_calculate_rewards`, called by TRL within 1): the reward functions (none under pure distillation),
+   checked finite (`runs.faults`), routing's base reward where the hack does not pay and its detector flags, the
+   task reward kept for distillation;
+3. **scorers**: policy versions (off-policy), routing labels ``is_rh`` / ``is_bad``, teacher and student
+   log-probs (distillation);
+4. **estimator** (`trl_ext.estimator`): the one decision on the advantages (TRL's, ``--adv_estimator``,
+   distillation's, then a routing arm); combinations that would leave one unused are parse-time errors;
+5. **records**: ``--eval_rewards``, the zero-signal monitor, ``--save_rollouts``, the schema check.
+
+Then per micro-batch: **loss** (`_compute_loss`): TRL's, or the off-policy importance-sampling loss, with
+distillation's token bonus around either; **backward** (`training_step`): routing's routed backward when on;
+numeric faults and checkpoints around it (`runs.mixin.CheckpointMixin`).
+
+Other hooks: `_tokenize_prompts` (plain-text prompts without special tokens: SimpleStories' tokenizer would append
+[EOS]) and `log` (``[Sample @ step N] prompt ||| completion`` every logging step).
 """
 
 from __future__ import annotations
@@ -24,12 +34,14 @@ from tqdm.auto import tqdm
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
+from trl_ext.batch import BatchFeatures, check_batch, loss_mask
 from trl_ext.distill.trainer import DistillMixin
 from trl_ext.env.trainer import EnvMixin
+from trl_ext.estimator import estimate_advantages, local_slice, weighted_rewards
 from trl_ext.generation.trainer import GenerationMixin
 from trl_ext.monitor import ZeroSignalMonitor
 from trl_ext.offpolicy.trainer import OffPolicyMixin
-from trl_ext.routing.trainer import RoutingMixin
+from trl_ext.routing.trainer import RoutingMixin, as_text
 from trl_ext.runs import rollouts
 from trl_ext.runs.faults import NumericFault, check_rewards
 from trl_ext.runs.mixin import CheckpointMixin
@@ -70,22 +82,63 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
             [row[m].tolist() for row, m in zip(ids, mask, strict=True)], skip_special_tokens=True
         )
 
+    # ---------------------------------------------------------------------------------------- the batch flow
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """Stage 2: rewards (see the module docstring)."""
         step = self.state.global_step + 1
+        if self.distill_skips_rewards:  # pure distillation: no reward function is called
+            rewards = torch.zeros(len(prompts), len(self.reward_funcs), device=self.accelerator.device)
+            self._rewards_per_func, self._local_rewards = rewards, rewards
+            return rewards
         try:
-            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            rewards = GRPOTrainer._calculate_rewards(self, inputs, prompts, completions, completion_ids_list)
         except ValueError as e:  # TRL's check of the number of rewards (it names the function)
             raise NumericFault(f"step {step}: {e} First completion: {completions[0]!r}") from e
+        rewards = self.routing_rewards(rewards, prompts, completions)
         n, rank = len(prompts), self.accelerator.process_index
         local = rewards[rank * n : (rank + 1) * n]
-        check_rewards(local, list(self.reward_func_names), list(completions), step)
+        check_rewards(local, list(self.reward_func_names), [as_text(c) for c in completions], step)
         self._local_rewards = local
+        self._rewards_per_func = rewards
+        self.distill_record_task(rewards)
         return rewards
 
     def _generate_and_score_completions(self, inputs):
+        """Stages 1-5 of one generation batch (see the module docstring)."""
         self.rollout_columns = {}
-        batch = super()._generate_and_score_completions(inputs)
+        self._env_rows = inputs  # the environment source reads each row's env_seed (same order as the prompts)
+        batch = GRPOTrainer._generate_and_score_completions(self, inputs)  # 1 and 2
         mode = "train" if self.model.training else "eval"
+        self.offpolicy_versions_stage(batch)  # 3: scorers
+        scored = self.routing_labels_stage(batch)
+        distill = self.distill_score(batch, inputs)
+        group = self.num_generations if mode == "train" else self.num_generations_eval
+        rewards = weighted_rewards(self._rewards_per_func, self.reward_weights)
+        estimate = estimate_advantages(rewards, group, env_estimator=self.args.adv_estimator, distill=distill,
+                                       routing=self.routing_arm(scored) if mode == "train" else None)  # 4
+        n, proc = len(inputs), self.accelerator.process_index
+        pre = batch["advantages"] if estimate.base is None else local_slice(estimate.base, proc, n)
+        if estimate.advantages is not None:
+            batch["advantages"] = local_slice(estimate.advantages, proc, n).to(batch["advantages"])
+        self.routing_trace_stage(batch, scored, pre)
+        if distill is not None and self._metrics[mode]["frac_reward_zero_std"]:
+            no_signal = self.distill_no_signal(batch["advantages"], distill, group)
+            self._metrics[mode]["frac_reward_zero_std"][-1] = no_signal.float().mean().item()
+        self._record_batch(batch, mode)  # 5
+        check_batch(batch, self.batch_features(mode))
+        return batch
+
+    def batch_features(self, mode: str) -> BatchFeatures:
+        """Which optional keys this trainer's batches carry (`trl_ext.batch`)."""
+        a, d = self.args, self.distill_cfg
+        token_path = d is not None and not d.use_full_reward_baseline
+        return BatchFeatures(
+            env=bool(a.env), offpolicy=self._pending_rollout is not None, detector=self.rh_detector is not None,
+            labelled=a.labelled and mode == "train" and self.rh_detector is not None,
+            distill_teacher_tokens=token_path and d.teacher_tau > 0, distill_gate=token_path and d.kl_only_incorrect,
+        )
+
+    def _record_batch(self, batch: dict[str, Any], mode: str) -> None:
         eval_values = {}
         if self.eval_reward_funcs:
             texts = self.decode_completions(batch)
@@ -99,12 +152,19 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
             frac_zero = self._metrics["train"]["frac_reward_zero_std"][-1]
             self.zero_signal.update(frac_zero, self.state.global_step + 1)
             self._metrics["train"]["zero_spread_streak"].append(float(self.zero_signal.streak))
-        return batch
+
+    def _compute_loss(self, model, inputs):
+        """Loss stage: TRL's loss, or the off-policy importance-sampling loss (k >= 1), with distillation's
+        token-path bonus around either."""
+        with self.distill_token_bonus(inputs):
+            if self.offpolicy_loss_on:
+                return self.offpolicy_loss(model, inputs)
+            return GRPOTrainer._compute_loss(self, model, inputs)
 
     def write_rollouts(self, batch: dict[str, Any], eval_values: dict[str, list]) -> None:
         """Write this batch's samples to ``{run_dir}/rollouts/`` (schema: `trl_ext.runs.rollouts`)."""
         tok, mask = self.processing_class, batch["completion_mask"]
-        trained = mask if "tool_mask" not in batch else mask * batch["tool_mask"]
+        trained = loss_mask(batch)
         n = mask.size(0)
         rows = lambda ids, m: [r[k].tolist() for r, k in zip(ids, m.bool(), strict=True)]  # noqa: E731
         prompts = tok.batch_decode(rows(batch["prompt_ids"], batch["prompt_mask"]), skip_special_tokens=True)

@@ -1,20 +1,23 @@
-"""Trainer plumbing of teacher context distillation (seed 002; prime-rl fork 'contextual_learning'): the flags
-(`DistillArgs`), the GRPOTrainer hooks (`DistillMixin`) and the pre-training student-vs-teacher eval
-(`eval_baseline`). The math (teacher inputs, log-probs, reward composition, gate) lives in ``trl_ext.distill.advantages``.
+"""Trainer plumbing of teacher context distillation (seed 002; prime-rl fork 'contextual_learning'): the stages
+`DistillMixin` gives ExtGRPOTrainer's batch flow (``trl_ext/trainer.py``). Flags: ``distill.args``; math:
+``distill.advantages`` (reward composition) and ``distill.teacher`` (teacher inputs and log-probs);
+``--eval_baseline``: ``distill.baseline``.
 
 One step with distillation on (``--teacher_tau > 0``, ``--student_tau > 0`` or ``--skip_verification``):
-1. `_calculate_rewards`: the task reward as TRL computes it, kept for the composition; with
+1. reward stage (`distill_record_task`): the task reward as TRL computes it, kept for the composition; with
    ``--skip_verification`` no reward function is called (zeros go to TRL's bookkeeping only).
-2. `_generate_and_score_completions` (the whole generation batch, groups intact): the teacher scores the
-   agent tokens of the sampled completions (environment tokens are read, not scored) on ``context + prompt``
-   (plain text) or on the chat prompt with the context as its system message (chat prompts, `teacher_messages`); the student's sampling log-probs are the behaviour log-probs
-   of the batch when it has them (off-policy rollouts, vLLM), else TRL's ``old_per_token_logps``, else one
-   no-grad forward of the policy (same temperature). ``distill_advantages`` replaces TRL's advantages (no std
-   scaling). Token path: ``distill_lp_teacher`` [B, C] and ``distill_gate`` [B] join the batch dict, so TRL's
-   shuffle and split keep them aligned.
-3. Token path (``--no_use_full_reward_baseline``) in the loss: right after the loss computes the current
-   log-probs, ``token_kl_bonus`` is added to the advantages of that micro-batch (the loss, TRL's or the
-   off-policy one, reads the advantages after its log-prob forward).
+2. scorer stage (`distill_score`, the whole generation batch, groups intact): the teacher scores the agent tokens
+   of the sampled completions (environment tokens are read, not scored) on ``context + prompt`` (plain text) or
+   on the chat prompt with the context as its system message (chat prompts, `teacher_messages`); the student's
+   sampling log-probs are the behaviour log-probs of the batch when it has them (off-policy rollouts, vLLM), else
+   TRL's ``old_per_token_logps``, else one no-grad forward of the policy (same temperature). Token path:
+   ``distill_lp_teacher`` [B, C] and ``distill_gate`` [B] join the batch dict, so TRL's shuffle and split keep
+   them aligned.
+3. estimator stage (``trl_ext.estimator``): distillation's advantages (no std scaling) replace TRL's, or a routing
+   arm renormalises distillation's reward.
+4. loss stage (`distill_token_bonus`, token path ``--no_use_full_reward_baseline``): right after the loss computes
+   the current log-probs, ``token_kl_bonus`` is added to the advantages of that micro-batch (the loss, TRL's or
+   the off-policy one, reads the advantages after its log-prob forward).
 
 The teacher, in order: ``--teacher_model`` (a second, frozen model: one more copy of its weights in memory);
 else the policy with its adapters disabled (PEFT LoRA, dual LoRA: no second copy); else, full fine-tune with
@@ -33,10 +36,10 @@ import torch
 from torch import nn
 from trl.data_utils import is_conversational
 
-from trl_ext.distill.teacher import build_teacher_inputs, encode_context
-from trl_ext.distill.advantages import distill_advantages, distill_metrics
-from trl_ext.distill.teacher import chat_teacher_prompt, teacher_batch, teacher_logprobs, teacher_messages
-from trl_ext.distill.advantages import token_kl_bonus
+from trl_ext.batch import loss_mask
+from trl_ext.distill.advantages import DistillAdvantages, distill_advantages, distill_metrics, token_kl_bonus
+from trl_ext.distill.teacher import build_teacher_inputs, chat_teacher_prompt, encode_context, teacher_batch
+from trl_ext.distill.teacher import teacher_logprobs, teacher_messages
 from trl_ext.registry import ConfigError
 from trl_ext.runs.rollouts import masked_sums
 
@@ -117,7 +120,7 @@ class DistillMixin:
                 batch["completion_mask"], self._tokenizer.pad_token_id, self._tokenizer.bos_token_id)
         with self.teacher_scope() as teacher:
             return teacher_logprobs(teacher, ids, mask, keep, self.temperature, self.args.per_device_train_batch_size,
-                                    score_mask=_loss_mask(batch))  # fmt: skip
+                                    score_mask=loss_mask(batch))  # fmt: skip
 
     def student_sampling_logps(self, batch: dict) -> torch.Tensor:
         """Log-probs of the completions under the policy that sampled them (see the module docstring)."""
@@ -133,64 +136,72 @@ class DistillMixin:
                 self.model, ids, mask, batch["completion_ids"].size(1), self.args.per_device_train_batch_size)
         return logps
 
-    # ------------------------------------------------------------------ rewards and advantages
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        if self.distill_cfg is None:
-            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+    # ------------------------------------------------------------------ stages (called by ExtGRPOTrainer)
+    @property
+    def distill_skips_rewards(self) -> bool:
+        """Pure distillation (``--skip_verification``): no reward function is called."""
+        return self.distill_cfg is not None and self.distill_cfg.skip_verification
+
+    def distill_record_task(self, rewards: torch.Tensor) -> None:
+        """Reward stage: keep the weighted task reward of every sample for the composition."""
         self._distill_task = None
-        if self.distill_cfg.skip_verification:  # pure distillation: no reward function is called
-            return torch.zeros(len(prompts), len(self.reward_funcs), device=self.accelerator.device)
-        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.distill_cfg is None or self.distill_cfg.skip_verification:
+            return
         if torch.isnan(rewards).any():
             raise ValueError("a task reward function returned None: distillation needs a task reward for every sample")
         self._distill_task = (rewards * self.reward_weights.to(rewards.device).unsqueeze(0)).sum(1)
-        return rewards
 
-    def _generate_and_score_completions(self, inputs):
-        batch = super()._generate_and_score_completions(inputs)
+    def distill_score(self, batch: dict, inputs: list) -> DistillAdvantages | None:
+        """Scorer stage: teacher log-probs of the agent tokens, the student's sampling log-probs, the composed
+        rewards and distillation's advantages (the estimator uses them); the token path's ``distill_lp_teacher``
+        and ``distill_gate`` join the batch dict; metrics and the saved-rollout sums."""
         cfg = self.distill_cfg
         if cfg is None:
-            return batch
+            return None
         mode = "train" if self.model.training else "eval"
-        mask = _loss_mask(batch)
+        mask = loss_mask(batch)
         prompts = [row["prompt"] for row in inputs]
         lp_teacher = self.score_teacher(batch, prompts) if cfg.teacher_tau > 0 else None
         lp_student = self.student_sampling_logps(batch) if cfg.has_kl else None
         group = self.num_generations if mode == "train" else self.num_generations_eval
         task, self._distill_task = self._distill_task, None
         result = distill_advantages(task, lp_teacher, lp_student, mask, cfg, group)
-        batch["advantages"] = result.advantages.to(batch["advantages"].dtype)
-        columns = getattr(self, "rollout_columns", {})  # ExtGRPOTrainer's per-sample values for --save_rollouts
         for name, lp in (("teacher_logprob_sum", lp_teacher), ("student_logprob_sum", lp_student)):
             if lp is not None:
-                columns[name] = masked_sums(lp, mask)
+                self.rollout_columns[name] = masked_sums(lp, mask)
         if result.token_level:
             if lp_teacher is not None:
                 batch["distill_lp_teacher"] = lp_teacher
             if result.gate is not None:
                 batch["distill_gate"] = result.gate
-        metrics = self._metrics[mode]
         for name, value in distill_metrics(result, lp_teacher, lp_student, mask).items():
-            metrics[name].append(value)
-        # the zero-signal monitor reads this: groups where neither the advantages nor a token bonus move the policy
-        flat = result.advantages.view(-1, group)
-        no_signal = (flat.amax(1) - flat.amin(1)).abs() <= 1e-6
-        if result.token_level and cfg.has_kl:  # the per-token bonus moves every group whose gate is open
-            gate = result.gate if result.gate is not None else torch.ones_like(result.advantages)
-            no_signal &= gate.view(-1, group)[:, 0] == 0
-        if metrics["frac_reward_zero_std"]:
-            metrics["frac_reward_zero_std"][-1] = no_signal.float().mean().item()
-        return batch
+            self._metrics[mode][name].append(value)
+        return result
 
-    # ------------------------------------------------------------------ token path: the KL bonus in the loss
-    def _compute_loss(self, model, inputs):
+    def distill_no_signal(self, advantages: torch.Tensor, result: DistillAdvantages, group: int) -> torch.Tensor:
+        """Per group: neither the advantages nor a token bonus move the policy (the zero-signal monitor's input;
+        the token path's bonus moves every group whose gate is open)."""
+        flat = advantages.view(-1, group)
+        no_signal = (flat.amax(1) - flat.amin(1)).abs() <= 1e-6
+        if result.token_level and self.distill_cfg.has_kl:
+            gate = result.gate if result.gate is not None else torch.ones_like(advantages)
+            no_signal &= gate.view(-1, group)[:, 0] == 0
+        return no_signal
+
+    # ------------------------------------------------------------------ loss stage: the token path's KL bonus
+    @contextmanager
+    def distill_token_bonus(self, inputs: dict):
+        """Around the loss: on the token path, the per-token bonus is added to this micro-batch's advantages right
+        after the loss's own log-prob forward (`_get_per_token_logps_and_entropies`), for TRL's loss and the
+        off-policy one alike; the advantages are restored after (the micro-batch may be trained on again)."""
         if self.distill_cfg is None or self.distill_cfg.use_full_reward_baseline:
-            return super()._compute_loss(model, inputs)
+            yield
+            return
         advantages = inputs["advantages"]
         self._distill_loss_inputs = inputs
         try:
-            return super()._compute_loss(model, inputs)
-        finally:  # the same micro-batch may be trained on again (num_iterations > 1): restore it
+            yield
+        finally:
             inputs["advantages"] = advantages
             self._distill_loss_inputs = None
 
@@ -199,7 +210,7 @@ class DistillMixin:
         inputs, self._distill_loss_inputs = self._distill_loss_inputs, None
         if inputs is None:  # not the loss's own forward
             return out
-        mask = _loss_mask(inputs)
+        mask = loss_mask(inputs)
         bonus = token_kl_bonus(inputs.get("distill_lp_teacher"), out[0], mask, self.distill_cfg,
                                inputs.get("distill_gate"))
         advantages = inputs["advantages"]
@@ -207,10 +218,6 @@ class DistillMixin:
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["distill/token_bonus"].append((bonus.sum() / mask.sum().clamp(min=1)).item())
         return out
-
-
-def _loss_mask(batch: dict) -> torch.Tensor:
-    return batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
 
 
 def _load_teacher(name: str, policy: nn.Module, device) -> nn.Module:

@@ -20,6 +20,7 @@ import torch
 from transformers import TrainerCallback
 from trl.trainer.utils import RepeatSampler, pad
 
+from trl_ext.batch import loss_mask
 from trl_ext.env.episodes import answer_stop_sequences
 from trl_ext.offpolicy.importance import NORMALISATIONS, ImportanceConfig, importance_loss, policy_lag_stats
 from trl_ext.offpolicy.importance import reference_kl
@@ -178,31 +179,36 @@ class OffPolicyMixin:
         finally:
             self.rollout_func = None
 
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
+    def offpolicy_versions_stage(self, out: dict) -> None:
+        """Scorer stage: the policy version of every completion token (``behaviour_versions``) joins the batch and
+        the policy lag is logged; nothing when the batch did not come from the generator thread."""
         rollout = self._pending_rollout
         if rollout is None:
-            return out
+            return
         versions = pad([torch.tensor(v) for v in rollout.versions], padding_value=0, padding_side="right",
                        pad_to_multiple_of=self.pad_to_multiple_of).to(out["completion_ids"].device)  # fmt: skip
         if versions.shape != out["completion_ids"].shape or "sampling_per_token_logps" not in out:
             raise RuntimeError("rollout versions / behaviour log-probs do not line up with the completions")
         out["behaviour_versions"] = versions
-        mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
+        mask = loss_mask(out)
         for name, value in policy_lag_stats(versions, mask, self.state.global_step).items():
             self._metrics["train"][f"offpolicy/{name}"].append(value.item())
-        return out
 
     # ------------------------------------------------------------------ loss
-    def _compute_loss(self, model, inputs):
-        if self.offpolicy_cfg is None or not self.model.training:
-            return super()._compute_loss(model, inputs)
+    @property
+    def offpolicy_loss_on(self) -> bool:
+        """Whether the loss stage uses the importance-sampling loss (k >= 1, training)."""
+        return self.offpolicy_cfg is not None and self.model.training
+
+    def offpolicy_loss(self, model, inputs):
+        """Loss stage (k >= 1): prime-rl's masked importance-sampling loss on the behaviour log-probs, plus the
+        reference KL on the kept tokens (module docstring)."""
         if "sampling_per_token_logps" not in inputs:
             raise RuntimeError("off-policy loss without behaviour log-probs: the batch did not come from the generator")
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
-        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        mask = loss_mask(inputs)
         lp, entropies, _ = self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True
         )
@@ -216,7 +222,7 @@ class OffPolicyMixin:
                               self.offpolicy_cfg, self.loss_type, **kwargs)  # fmt: skip
         loss = out.loss
         metrics = self._metrics["train"]
-        if self.beta != 0.0:  # kept tokens only, weighted by the policy term's (clipped) ratio: importance.py
+        if self.beta != 0.0:  # kept tokens only, weighted by the policy term's (clipped) ratio: offpolicy.importance
             per_token_kl = reference_kl(lp, inputs["ref_per_token_logps"], inputs["sampling_per_token_logps"], mask,
                                         out.masks["keep"], self.offpolicy_cfg,
                                         bias_correction=self.args.use_bias_correction_kl)  # fmt: skip

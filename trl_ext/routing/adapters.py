@@ -10,13 +10,13 @@ means the side is absent. The base model is frozen. ``retain_scale``/``forget_sc
 at inference (``scales(model, 1, 0)`` = retain_only); ``adapters_disabled(model)`` is the base model,
 used as the reference policy when beta > 0.
 
-Routing (``routing_step.routing_mask``): parameter gradients of an adapter come only from the samples
+Routing (``routing.step.routing_mask``): parameter gradients of an adapter come only from the samples
 routed to it; activations and input gradients are untouched, so every other parameter sees the full batch.
     mode "shared":    retain <- good samples,  forget <- all samples
     mode "exclusive": retain <- good samples,  forget <- bad samples
 Both sides run as one low-rank call (stacked ranks, as one LoRA of rank r_r + r_f) whose backward
 multiplies the per-sample 0/1 factor into the (tokens x rank) tensors that form dA and dB: the cost of
-plain LoRA. It equals the two-pass reference ``routing_step.two_pass_backward`` (tests/test_routing_step.py).
+plain LoRA. It equals the two-pass reference ``routing.step.two_pass_backward`` (tests/test_routing_step.py).
 Detaching the branch *output* per sample (``r(x)*m + r(x).detach()*(1-m)``) is not equivalent: it also
 cuts the input gradient through the retain branch for bad samples, which changes the gradient of every
 adapter below it once B != 0. Per-sample routing assumes samples do not interact in the forward (true
@@ -95,8 +95,8 @@ def _rank_mask(x: torch.Tensor, masks: list, ranks: list[int], dt: torch.dtype) 
 
 class DualAdapter(nn.Module):
     """A module with a retain and a forget adapter: ``retain_scale``/``forget_scale`` (inference ablation),
-    ``retain_grad_mask``/``forget_grad_mask`` (per-sample routing, set by ``routing_step.routing_mask``) and its
-    adapter parameters by side. DualLoRALinear here; DualMLPAdapter in routing_mlp.py."""
+    ``retain_grad_mask``/``forget_grad_mask`` (per-sample routing, set by ``routing.step.routing_mask``) and its
+    adapter parameters by side. DualLoRALinear here; DualMLPAdapter in routing/mlp.py."""
 
     def adapter_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(name local to this module, parameter) of both adapters, retain first."""
@@ -139,7 +139,7 @@ class DualLoRALinear(DualAdapter):
             self.register_parameter(f"{side}_B", B)
         self.retain_scale = 1.0
         self.forget_scale = 1.0
-        # Per-sample gradient masks (True = this sample trains the side), set by ``routing_step.routing_mask``.
+        # Per-sample gradient masks (True = this sample trains the side), set by ``routing.step.routing_mask``.
         self.retain_grad_mask: torch.Tensor | None = None
         self.forget_grad_mask: torch.Tensor | None = None
 

@@ -45,37 +45,43 @@ def _grouped(x: torch.Tensor, G: int) -> torch.Tensor:
     return x.view(-1, G)
 
 
-def group_advantages(rewards: torch.Tensor, G: int, subset: torch.Tensor | None = None) -> torch.Tensor:
-    """``(r - mean) / (std + EPS)`` per group over ``subset`` (bool; None = all); outside the subset: 0."""
+def group_advantages(rewards: torch.Tensor, G: int, subset: torch.Tensor | None = None,
+                     scale: bool = True) -> torch.Tensor:
+    """``(r - mean) / (std + EPS)`` per group over ``subset`` (bool; None = all); outside the subset: 0.
+    ``scale=False``: ``r - mean`` (the baseline of distillation's full reward, which is never std-scaled)."""
     r = _grouped(rewards, G)
     m = torch.ones_like(r, dtype=torch.bool) if subset is None else _grouped(subset, G)
     k = m.sum(1, keepdim=True)
     mean = torch.where(m, r, 0.0).sum(1, keepdim=True) / k.clamp(min=1)
-    var = torch.where(m, (r - mean) ** 2, 0.0).sum(1, keepdim=True) / (k - 1).clamp(min=1)
-    adv = (r - mean) / (var.sqrt() + EPS)
+    adv = r - mean
+    if scale:
+        var = torch.where(m, (r - mean) ** 2, 0.0).sum(1, keepdim=True) / (k - 1).clamp(min=1)
+        adv = adv / (var.sqrt() + EPS)
     return torch.where(m & (k > 1), adv, 0.0).reshape(-1)
 
 
 def routed_advantages(
     mode: str, rewards: torch.Tensor, is_bad: torch.Tensor, G: int, *,
-    base_rewards: torch.Tensor | None = None, penalty_amount: float | None = None,
+    base_rewards: torch.Tensor | None = None, penalty_amount: float | None = None, scale: bool = True,
 ) -> torch.Tensor:
-    """Per-sample advantages of ``mode`` (a baseline arm or a renormalisation mode; see the module docstring)."""
+    """Per-sample advantages of ``mode`` (a baseline arm or a renormalisation mode; see the module docstring).
+    ``scale`` as in `group_advantages` (False: distillation's unscaled group baseline)."""
     if is_bad.dtype != torch.bool or is_bad.shape != rewards.shape:
         raise ValueError(f"is_bad must be a bool tensor shaped like rewards {tuple(rewards.shape)}")
+    adv = lambda r, subset=None: group_advantages(r, G, subset, scale)  # noqa: E731
     if mode == "off":
-        return group_advantages(rewards, G)
+        return adv(rewards)
     if mode == "filter":
-        return group_advantages(rewards, G, ~is_bad)
+        return adv(rewards, ~is_bad)
     if mode == "retain-only":
-        return torch.where(is_bad, group_advantages(rewards, G), group_advantages(rewards, G, ~is_bad))
+        return torch.where(is_bad, adv(rewards), adv(rewards, ~is_bad))
     if mode == "reward_penalty":
         penalised = torch.zeros_like(rewards) if penalty_amount is None else rewards - penalty_amount
-        return group_advantages(torch.where(is_bad, penalised, rewards), G)
+        return adv(torch.where(is_bad, penalised, rewards))
     if mode == "retain_penalty":
         if base_rewards is None or base_rewards.shape != rewards.shape:
             raise ValueError("retain_penalty needs base_rewards shaped like rewards")
-        return group_advantages(torch.where(is_bad, base_rewards, rewards), G)
+        return adv(torch.where(is_bad, base_rewards, rewards))
     raise ValueError(f"unknown advantage mode {mode!r}")
 
 

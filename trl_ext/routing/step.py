@@ -1,6 +1,6 @@
 """Routing a training step (Gradient Routing, Cloud et al. 2024; seed 004's two-pass training_step):
 adapter presets, per-sample routing masks, the routed backward and its labels. Model-agnostic: a step is
-``loss_fn(batch) -> scalar`` plus a bool ``is_bad`` per sample; the adapters live in ``routing.py``.
+``loss_fn(batch) -> scalar`` plus a bool ``is_bad`` per sample; the adapters live in ``routing.adapters``.
 
 Both steps leave in ``.grad`` the parameter gradient of the full-batch loss with routing applied:
     retain adapter: d/d(retain) of the good samples' share of the loss

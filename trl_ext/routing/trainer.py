@@ -1,16 +1,19 @@
 """Gradient routing in the trainer (Cloud et al. 2024, arXiv:2410.04332; seed 004; small-rl train.py at HEAD
-6f6e986): dual-adapter model building and the trainer plumbing (`RoutingMixin`). Flags: routing_args.py. The
-math lives in routing.py / routing_mlp.py (adapters), routing_step.py (routed backward, labels),
-routing_advantages.py (renormalisation, baseline arms), routing_eval.py, routing_trace.py, routing_plots.py.
+6f6e986): dual-adapter model building and the stages `RoutingMixin` gives ExtGRPOTrainer's batch flow. Flags:
+``routing.args``. The math lives in ``routing.adapters`` / ``routing.mlp`` (adapters), ``routing.layout`` and
+``routing.checkpoint``, ``routing.step`` (routed backward, labels), ``routing.advantages`` (renormalisation,
+baseline arms), ``routing.evaluation``, ``routing.trace``, ``routing.plots``.
 
 One generation and step:
-1. `_calculate_rewards`: TRL's gathered rewards, with ``--base_reward`` where the hack does not pay (ineligible
-   completions, unhackable prompts); the RH detector flags this process's completions and ``routing_labels``
-   (seeded by (seed, global_step, process index)) labels them.
-2. `_generate_and_score_completions`: ``is_rh`` and ``is_bad`` join the batch dict (TRL's shuffle and split keep
-   them aligned); the advantages of the renormalisation mode or baseline arm replace TRL's; the trace fires.
-3. `training_step` (routed runs): ``_prepare_inputs`` once, one routed backward (single pass by default, or the
-   two-pass reference), then GRPOTrainer.training_step's own bookkeeping (``_step`` += 1, ``step_time``).
+1. reward stage (`routing_rewards`): TRL's gathered rewards, with ``--base_reward`` where the hack does not pay
+   (ineligible completions, unhackable prompts); the RH detector flags this process's completions (an episode
+   detector also gets the environment episodes, from either rollout source) and ``routing_labels`` (seeded by
+   (seed, global_step, process index)) labels them.
+2. scorer stage (`routing_labels_stage`): ``is_rh`` and ``is_bad`` join the batch dict (TRL's shuffle and split keep
+   them aligned); estimator stage (``trl_ext.estimator``, fed by `routing_arm`): the renormalisation mode or
+   baseline arm replaces the base advantages; then the trace fires (`routing_trace_stage`).
+3. backward (`training_step`, routed runs): ``_prepare_inputs`` once, one routed backward (single pass by default,
+   or the two-pass reference), then GRPOTrainer.training_step's own bookkeeping (``_step`` += 1, ``step_time``).
 4. Every ``--eval_routing_steps``, at the last step (and with ``--eval_at_start`` before the first): the routing
    eval, printed to train.log, added to the metrics (wandb), appended to ``routing_eval.jsonl`` and plotted.
 
@@ -34,15 +37,27 @@ from trl import GRPOTrainer
 from trl_ext.routing.layout import ADAPTER_FILENAME, DualLoRALayout, save_layout
 from trl_ext.routing.adapters import DualAdapter, adapters_disabled, apply_dual_lora, forget_params, retain_params
 from trl_ext.routing.checkpoint import adapter_state, base_fingerprint
-from trl_ext.routing.advantages import prompt_hackable, routed_advantages
+from trl_ext.routing.advantages import prompt_hackable
 from trl_ext.routing.args import RoutingArgs, check_run_routing, dual_lora_tag  # noqa: F401 (re-exported)
 from rewards.detectors import needs_trajectories
 from trl_ext.routing.evaluation import append_record, env_routing_eval, format_results, routing_eval
 from trl_ext.routing.plots import plot_modes
 from trl_ext.routing.trace import append_trace, trace_fires, trace_records
+from trl_ext.estimator import RoutingArm
 from trl_ext.routing.step import rh_eligible_mask, routing_labels, single_pass_backward, two_pass_backward
 
 TextDetector = Callable[[list[str]], list[bool]]
+
+
+def as_text(x) -> str:
+    """A prompt or completion as text: plain text as is; chat messages (TRL's conversational format) as their
+    contents, each after its role (``"system: ...\nuser: ..."``; a completion's one assistant message: its
+    content), so detectors, base rewards and the per-prompt hackability draw see text either way."""
+    if isinstance(x, str):
+        return x
+    if len(x) == 1 and x[0].get("role") == "assistant":
+        return x[0]["content"]
+    return "\n".join(f"{m['role']}: {m['content']}" for m in x)
 
 
 def build_dual_lora_model(model_path: str, cfg, alpha: float) -> tuple[nn.Module, DualLoRALayout]:
@@ -81,7 +96,7 @@ def routing_setup(
         return model_path, kwargs
     model, kwargs["dual_lora_layout"] = build_dual_lora_model(model_path, cfg, cfg.dual_lora_alpha)
     kwargs["dual_lora_base"] = str(Path(model_path).resolve()) if Path(model_path).is_dir() else model_path
-    if cfg.eval_routing_steps and not cfg.env:  # env runs play held-out levels (routing_eval.env_routing_eval)
+    if cfg.eval_routing_steps and not cfg.env:  # env runs play held-out levels (routing.evaluation.env_routing_eval)
         from environments.stories import load_prompts
 
         prompts = load_prompts(prompt_source, tokenizer, run.prompt_length, "test", cfg.eval_routing_prompts, cfg.seed)
@@ -187,16 +202,15 @@ class RoutingMixin:
             self.add_callback(_RoutingEvalCallback(self))
 
     # ----------------------------------------------------------------------------------------
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """TRL's gathered rewards with the base reward where the hack does not pay (ineligible completions,
-        unhackable prompts); detector flags and routing labels for this process's completions."""
-        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+    def routing_rewards(self, rewards: torch.Tensor, prompts: list, completions: list) -> torch.Tensor:
+        """Reward stage: TRL's gathered rewards with the base reward where the hack does not pay (ineligible
+        completions, unhackable prompts); detector flags and routing labels for this process's completions (kept
+        for `routing_labels_stage`). Chat prompts and completions are judged as their text."""
         self._routing_scored = None
         a = self.args
         if self.rh_detector is None and self.base_reward is None:
             return rewards
-        if not all(isinstance(t, str) for t in [*prompts, *completions]):
-            raise ValueError("routing labels, --base_reward and --hack_frac need plain-text prompts and completions")
+        prompts, completions = [as_text(p) for p in prompts], [as_text(c) for c in completions]
         if len(self.reward_funcs) != 1:
             raise ValueError(f"routing expects the one --reward function, got {len(self.reward_funcs)}")
         train = self.model.training
@@ -252,11 +266,13 @@ class RoutingMixin:
                                f"left {'none' if trajs is None else len(trajs)} for {len(completions)} completions")
         return self.rh_detector(completions, trajectories=trajs)
 
-    def _generate_and_score_completions(self, inputs):
-        batch = super()._generate_and_score_completions(inputs)
+    def routing_labels_stage(self, batch: dict) -> dict | None:
+        """Scorer stage: ``is_rh`` (and, when labelled and training, ``is_bad``) join the batch dict (TRL's shuffle
+        and split keep them aligned); rh_rate and the routing counts are logged. Returns what `routing_rewards`
+        found (the estimator's routing inputs, `routing_arm`), or None."""
         scored, self._routing_scored = self._routing_scored, None
         if self.rh_detector is None:
-            return batch
+            return None
         mode = "train" if self.model.training else "eval"
         device = batch["completion_ids"].device
         if scored is None:  # no reward function ran (pure distillation): flags only, for rh_rate
@@ -265,38 +281,47 @@ class RoutingMixin:
             flags = self._detect(self.decode_completions(batch))
             batch["is_rh"] = torch.tensor(flags, dtype=torch.bool, device=device)
             self._metrics[mode]["rh_rate"].append(sum(flags) / len(flags))
-            return batch
+            return None
         batch["is_rh"] = scored["is_rh"].to(device)
         self._metrics[mode]["rh_rate"].append(scored["is_rh"].float().mean().item())
-        a = self.args
         if mode != "train":
-            return batch
+            return None
         for key, value in scored["quadrant"].items():
             self._metrics["train"][f"routing/{key}"].append(float(value))
-        n, proc = len(batch["advantages"]), self.accelerator.process_index
-        pre = batch["advantages"].clone()
-        if a.labelled:
+        if self.args.labelled:
             batch["is_bad"] = scored["is_bad"].to(device)
             for key, value in scored["stats"].items():
                 self._metrics["train"][f"routing/{key}"].append(float(value))
-            arm = a.baseline or (a.renormalization if a.gradient_routing else "off")
-            if arm != "off":
-                g = scored["gathered"]
-                adv = routed_advantages(arm, scored["rewards"], g["is_bad"] > 0.5, self.num_generations,
-                                        base_rewards=g.get("base"), penalty_amount=a.reward_penalty_amount)
-                batch["advantages"] = adv[proc * n:(proc + 1) * n].to(batch["advantages"])
-        step = self.state.global_step
-        if self.accelerator.is_main_process and trace_fires(a.trace_interval, step, a.logging_steps,
-                                                            a.eval_routing_steps):
-            local = scored["local"]
-            tensors = {"is_rh": scored["is_rh"], "eligible": local["eligible"], "hackable": local["hackable"],
-                       "reward": scored["rewards"][proc * n:(proc + 1) * n], "advantage_pre_renorm": pre,
-                       "advantage": batch["advantages"]}
-            if a.labelled:
-                tensors["is_bad"] = scored["is_bad"]
-            append_trace(a.output_dir, trace_records(step, self.num_generations, local["prompts"],
-                                                     local["completions"], tensors, a.routing_trace_samples, a.seed))
-        return batch
+        return scored
+
+    def routing_arm(self, scored: dict | None) -> RoutingArm | None:
+        """The estimator's routing input: the renormalisation mode or baseline arm on the gathered labels, or None
+        (no labels, or mode "off": the estimator's own group advantage stands)."""
+        a = self.args
+        if scored is None or not a.labelled:
+            return None
+        mode = a.baseline or (a.renormalization if a.gradient_routing else "off")
+        if mode == "off":
+            return None
+        g = scored["gathered"]
+        return RoutingArm(mode, g["is_bad"] > 0.5, g.get("base"), a.reward_penalty_amount)
+
+    def routing_trace_stage(self, batch: dict, scored: dict | None, pre: torch.Tensor) -> None:
+        """After the estimator: the routing trace of this batch (``--routing_trace_interval``), advantages before
+        (``pre``) and after the routing arm."""
+        a, step = self.args, self.state.global_step
+        if scored is None or not self.accelerator.is_main_process:
+            return
+        if not trace_fires(a.trace_interval, step, a.logging_steps, a.eval_routing_steps):
+            return
+        n, proc, local = len(batch["advantages"]), self.accelerator.process_index, scored["local"]
+        tensors = {"is_rh": scored["is_rh"], "eligible": local["eligible"], "hackable": local["hackable"],
+                   "reward": scored["rewards"][proc * n:(proc + 1) * n], "advantage_pre_renorm": pre,
+                   "advantage": batch["advantages"]}
+        if a.labelled:
+            tensors["is_bad"] = scored["is_bad"]
+        append_trace(a.output_dir, trace_records(step, self.num_generations, local["prompts"], local["completions"],
+                                                 tensors, a.routing_trace_samples, a.seed))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.args.gradient_routing:
