@@ -108,3 +108,21 @@ def test_combinations_that_would_leave_a_source_unused_are_rejected(kwargs, mess
 ])
 def test_combinations_that_compose_are_accepted(kwargs):
     check_estimator_flags(**kwargs)
+
+
+BASE = ["--batch_size", "8", "--num_generations", "4", "--max_steps", "1", "--no_wandb"]
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (["--env", "two_armed_bandit", "--model", "builtin_env", "--adv_estimator", "grpo", "--teacher_tau", "1",
+      "--teacher_context", "hint"], "distillation's advantage is its own"),
+    (["--reward", "sentence_length_5_with_happy", "--gradient_routing", "--routing_mode", "shared",
+      "--lora_config", "r4", "--adv_estimator", "brpo"], "the estimator would be unused"),
+    (["--reward", "sentence_length_5_with_happy", "--lora_config", "r4", "--reward_penalty_baseline",
+      "--teacher_tau", "1"], "rewrites the task reward"),
+])
+def test_train_py_exits_2_before_loading_a_model(tmp_path, capsys, argv, reason):
+    import trl_ext.cli_train as cli
+
+    assert cli.main([*argv, *BASE, "--output_dir", str(tmp_path)]) == 2
+    assert reason in capsys.readouterr().err

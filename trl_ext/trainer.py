@@ -57,6 +57,8 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
         self.zero_signal = ZeroSignalMonitor(self.args.zero_signal_patience)
         self.rollout_columns: dict[str, list] = {}
         """Per-sample values that feature mixins add for the saved rollouts (cleared for every batch)."""
+        self._estimator_source = None
+        """The estimator stage's source of the last training batch (printed when it changes)."""
         self._rollout_features = None
         if self.args.save_rollouts:
             self._rollout_features = rollouts.features(list(self.reward_func_names), list(self.eval_reward_funcs))
@@ -116,6 +118,9 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
         rewards = weighted_rewards(self._rewards_per_func, self.reward_weights)
         estimate = estimate_advantages(rewards, group, env_estimator=self.args.adv_estimator, distill=distill,
                                        routing=self.routing_arm(scored) if mode == "train" else None)  # 4
+        if mode == "train" and estimate.source != self._estimator_source:  # the run log names who decided them
+            self._estimator_source = estimate.source
+            print(f"advantages: {estimate.source} (step {self.state.global_step + 1})", flush=True)
         n, proc = len(inputs), self.accelerator.process_index
         pre = batch["advantages"] if estimate.base is None else local_slice(estimate.base, proc, n)
         if estimate.advantages is not None:
