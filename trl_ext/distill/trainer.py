@@ -38,8 +38,14 @@ from trl.data_utils import is_conversational
 
 from trl_ext.batch import loss_mask
 from trl_ext.distill.advantages import DistillAdvantages, distill_advantages, distill_metrics, token_kl_bonus
-from trl_ext.distill.teacher import build_teacher_inputs, chat_teacher_prompt, encode_context, teacher_batch
-from trl_ext.distill.teacher import teacher_logprobs, teacher_messages
+from trl_ext.distill.teacher import (
+    build_teacher_inputs,
+    chat_teacher_prompt,
+    encode_context,
+    teacher_batch,
+    teacher_logprobs,
+    teacher_messages,
+)
 from trl_ext.registry import ConfigError
 from trl_ext.runs.rollouts import masked_sums
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from trl_ext.env.episodes import log_episodes, play_episodes
 
+
 def env_rollout(prompts: list, trainer) -> dict:
     """TRL ``rollout_func``: play one episode per prompt (seeds from the batch rows) with TRL's generation."""
     seeds = [row["env_seed"] for row in trainer._env_rows]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from trl_ext.models.builtin_env import BUILTIN_ENV, ensure_builtin_env
 from trl_ext.models.builtin import BUILTIN, ensure_builtin
+from trl_ext.models.builtin_env import BUILTIN_ENV, ensure_builtin_env
 from trl_ext.models.builtin_mood import BUILTIN_MOOD, ensure_builtin_mood
 from trl_ext.registry import ConfigError
 

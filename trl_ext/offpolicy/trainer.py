@@ -22,8 +22,13 @@ from trl.trainer.utils import RepeatSampler, pad
 
 from trl_ext.batch import loss_mask
 from trl_ext.env.episodes import answer_stop_sequences
-from trl_ext.offpolicy.importance import NORMALISATIONS, ImportanceConfig, importance_loss, policy_lag_stats
-from trl_ext.offpolicy.importance import reference_kl
+from trl_ext.offpolicy.importance import (
+    NORMALISATIONS,
+    ImportanceConfig,
+    importance_loss,
+    policy_lag_stats,
+    reference_kl,
+)
 from trl_ext.offpolicy.worker import PolicyStore, RolloutWorker, SamplingParams, generation_copy
 from trl_ext.registry import ConfigError
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trl_ext.registry import ConfigError
+from trl_ext.routing.advantages import RENORMALIZATION_MODES, baseline_arm
 from trl_ext.routing.layout import check_routing_mode
 from trl_ext.routing.mlp import MLP_PRESETS
-from trl_ext.routing.advantages import RENORMALIZATION_MODES, baseline_arm
-from trl_ext.routing.trace import TRACE_INTERVALS
 from trl_ext.routing.step import SAMPLE_MEAN_LOSS_TYPES, _check_frac, resolve_adapter_ranks, resolve_dual_lora_alpha
+from trl_ext.routing.trace import TRACE_INTERVALS
 
 
 @dataclass

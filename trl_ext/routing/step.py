@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from trl_ext.registry import ConfigError
-from trl_ext.routing.layout import check_routing_mode
 from trl_ext.routing.adapters import dual_lora_modules, forget_params, retain_params
+from trl_ext.routing.layout import check_routing_mode
 
 # TRL loss types whose loss is a mean over samples of per-sample losses (required by two_pass_backward).
 SAMPLE_MEAN_LOSS_TYPES = ("grpo", "sapo")

@@ -26,25 +26,25 @@ from __future__ import annotations
 
 import inspect
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from trl_ext.routing.layout import ADAPTER_FILENAME, DualLoRALayout, save_layout
+from rewards.detectors import needs_trajectories
+from trl_ext.estimator import RoutingArm
 from trl_ext.routing.adapters import DualAdapter, adapters_disabled, apply_dual_lora, forget_params, retain_params
-from trl_ext.routing.checkpoint import adapter_state, base_fingerprint
 from trl_ext.routing.advantages import prompt_hackable
 from trl_ext.routing.args import RoutingArgs, check_run_routing, dual_lora_tag  # noqa: F401 (re-exported)
-from rewards.detectors import needs_trajectories
+from trl_ext.routing.checkpoint import adapter_state, base_fingerprint
 from trl_ext.routing.evaluation import append_record, env_routing_eval, format_results, routing_eval
+from trl_ext.routing.layout import ADAPTER_FILENAME, DualLoRALayout, save_layout
 from trl_ext.routing.plots import plot_modes
-from trl_ext.routing.trace import append_trace, trace_fires, trace_records
-from trl_ext.estimator import RoutingArm
 from trl_ext.routing.step import rh_eligible_mask, routing_labels, single_pass_backward, two_pass_backward
+from trl_ext.routing.trace import append_trace, trace_fires, trace_records
 
 TextDetector = Callable[[list[str]], list[bool]]
 
