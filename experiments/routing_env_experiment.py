@@ -4,7 +4,7 @@ The grader pays 1 when the digits of the exact result occur anywhere in the answ
 a long digit string pays without solving the problem; RH detector ``env_loophole`` flags episodes whose step info
 marks a loophole payment (config.yaml). Arms, identical except for the adapters (builtin_env model):
 
-    routed    dual LoRA (R/2, R/2), --gradient_routing --routing_mode shared
+    routed    dual LoRA (R/2, R/2), --gradient_routing --routing_mode shared (or --routing_mode exclusive)
     baseline  dual LoRA (R, 0) without routing: one plain LoRA of the same total rank R
 
 Each run ends with the routing eval on held-out levels (env_trainer.HELDOUT_LEVELS ..): modes both / retain_only /
@@ -44,15 +44,15 @@ RESULTS = ROOT / "experiments" / "results"
 RANK = 8
 ARMS = {
     "baseline": ["--retain_rank", str(RANK), "--forget_rank", "0"],
-    "routed": ["--retain_rank", str(RANK // 2), "--forget_rank", str(RANK // 2), "--gradient_routing",
-               "--routing_mode", "shared"],
+    "routed": ["--retain_rank", str(RANK // 2), "--forget_rank", str(RANK // 2), "--gradient_routing"],
 }
 MODES = ("both", "retain_only", "forget_only")
 
 
 def flags(arm: str, seed: int, a: argparse.Namespace) -> list[str]:
     env_params = ",".join(filter(None, ["lenient_grader=true", a.env_params]))
-    routing = ["--rh_detector_recall", str(a.recall)] if arm == "routed" and a.recall != 1.0 else []
+    routing = ["--routing_mode", a.routing_mode] if arm == "routed" else []
+    routing += ["--rh_detector_recall", str(a.recall)] if arm == "routed" and a.recall != 1.0 else []
     return ["--env", "arithmetic", "--env_params", env_params, "--model", "builtin_env",
             "--rh_detector", "env_loophole", "--no_wandb", "--batch_size", str(a.batch),
             "--num_generations", str(a.num_generations), "--max_completion_length", str(a.max_completion_length),
@@ -92,7 +92,8 @@ def setting(a: argparse.Namespace) -> str:
     """The knobs of one experiment, for the title and the file name."""
     return (f"{a.steps} steps, lr {a.lr}, batch {a.batch} = {a.batch // a.num_generations} levels x "
             f"{a.num_generations}, max_completion_length {a.max_completion_length}, beta {a.beta}, env_params "
-            f"lenient_grader=true{',' + a.env_params if a.env_params else ''}, routed recall {a.recall}")
+            f"lenient_grader=true{',' + a.env_params if a.env_params else ''}, routed recall {a.recall}, routing mode "
+            f"{a.routing_mode}")
 
 
 def report(runs: dict, a: argparse.Namespace) -> str:
@@ -131,6 +132,7 @@ def result_name(a: argparse.Namespace) -> str:
     extra += "" if a.max_completion_length == 32 else f"_len{a.max_completion_length}"
     extra += "" if a.beta == "0.0" else f"_beta{a.beta}"
     extra += "" if a.recall == 1.0 else f"_recall{a.recall}"
+    extra += "" if a.routing_mode == "shared" else f"_{a.routing_mode}"
     return f"routing_env_lr{a.lr}_bs{a.batch}_st{a.steps}{extra}.md"
 
 
@@ -148,6 +150,8 @@ def main() -> None:
     p.add_argument("--env_params", default="max_operand=4,max_factor=3",
                    help="extra arithmetic parameters after lenient_grader=true ('' = the defaults: operands to 20)")
     p.add_argument("--recall", type=float, default=1.0, help="--rh_detector_recall of the routed arm")
+    p.add_argument("--routing_mode", choices=["shared", "exclusive"], default="shared",
+                   help="--routing_mode of the routed arm (exclusive: the forget adapter learns from flagged samples only)")
     p.add_argument("--out", default=str(ROOT / "runs" / "routing_env"))
     a = p.parse_args()
     t0 = time.time()
