@@ -38,7 +38,7 @@ def parser() -> HfArgumentParser:
 
 
 def adapter_tag(run: RunArgs, cfg: ExtGRPOConfig) -> str:
-    from trl_ext.routing.trainer import dual_lora_tag
+    from trl_ext.routing.args import dual_lora_tag
 
     return dual_lora_tag(cfg) or (f"lora_r{run.lora_rank}" if run.lora_rank else "full")
 
@@ -47,7 +47,7 @@ def build_plan(argv: list[str]) -> Plan:
     """Parse ``argv`` and validate the run; raises ConfigError (argparse itself exits 2 on bad flags)."""
     from rewards.config import load_reward_config
     from trl_ext.distill.args import check_run_distill
-    from trl_ext.routing.trainer import check_run_routing
+    from trl_ext.routing.args import check_run_routing
 
     run, cfg, unknown = parser().parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:

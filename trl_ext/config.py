@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from environments.stories import BUILTIN_PROMPTS
-from trl_ext.models import LLAMA_PROJECTIONS  # noqa: F401  (re-exported: train.py's LoRA targets)
-from trl_ext.estimator import check_estimator_flags
-from trl_ext.registry import ConfigError
 from trl_ext.distill.args import DistillArgs
-from trl_ext.offpolicy.args import OffPolicyArgs
-from trl_ext.routing.trainer import RoutingArgs
 from trl_ext.env.args import EnvArgs
+from trl_ext.estimator import check_estimator_flags
 from trl_ext.generation.trainer import GenerationArgs
+from trl_ext.models import LLAMA_PROJECTIONS  # noqa: F401  (re-exported: train.py's LoRA targets)
+from trl_ext.offpolicy.args import OffPolicyArgs
+from trl_ext.registry import ConfigError
+from trl_ext.routing.args import RoutingArgs
 from trl_ext.sft import SFTArgs
 
 PROMPT_SOURCES = (BUILTIN_PROMPTS, "simplestories")

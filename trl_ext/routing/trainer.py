@@ -38,7 +38,7 @@ from rewards.detectors import needs_trajectories
 from trl_ext.estimator import RoutingArm
 from trl_ext.routing.adapters import DualAdapter, adapters_disabled, apply_dual_lora, forget_params, retain_params
 from trl_ext.routing.advantages import prompt_hackable
-from trl_ext.routing.args import RoutingArgs, check_run_routing, dual_lora_tag  # noqa: F401 (re-exported)
+from trl_ext.routing.args import RoutingArgs, check_run_routing
 from trl_ext.routing.checkpoint import adapter_state, base_fingerprint
 from trl_ext.routing.evaluation import append_record, env_routing_eval, format_results, routing_eval
 from trl_ext.routing.layout import ADAPTER_FILENAME, DualLoRALayout, save_layout
