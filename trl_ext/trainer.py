@@ -41,7 +41,7 @@ from trl_ext.estimator import estimate_advantages, local_slice, weighted_rewards
 from trl_ext.generation.trainer import GenerationMixin
 from trl_ext.monitor import ZeroSignalMonitor
 from trl_ext.offpolicy.trainer import OffPolicyMixin
-from trl_ext.routing.trainer import RoutingMixin, as_text
+from trl_ext.routing.trainer import RoutingMixin
 from trl_ext.runs import rollouts
 from trl_ext.runs.faults import NumericFault, check_rewards
 from trl_ext.runs.mixin import CheckpointMixin
@@ -99,7 +99,7 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
         rewards = self.routing_rewards(rewards, prompts, completions)
         n, rank = len(prompts), self.accelerator.process_index
         local = rewards[rank * n : (rank + 1) * n]
-        check_rewards(local, list(self.reward_func_names), [as_text(c) for c in completions], step)
+        check_rewards(local, list(self.reward_func_names), list(completions), step)
         self._local_rewards = local
         self._rewards_per_func = rewards
         self.distill_record_task(rewards)

@@ -46,6 +46,7 @@ from trl_ext.distill.teacher import (
     teacher_logprobs,
     teacher_messages,
 )
+from trl_ext.estimator import weighted_rewards
 from trl_ext.registry import ConfigError
 from trl_ext.runs.rollouts import masked_sums
 
@@ -151,11 +152,8 @@ class DistillMixin:
     def distill_record_task(self, rewards: torch.Tensor) -> None:
         """Reward stage: keep the weighted task reward of every sample for the composition."""
         self._distill_task = None
-        if self.distill_cfg is None or self.distill_cfg.skip_verification:
-            return
-        if torch.isnan(rewards).any():
-            raise ValueError("a task reward function returned None: distillation needs a task reward for every sample")
-        self._distill_task = (rewards * self.reward_weights.to(rewards.device).unsqueeze(0)).sum(1)
+        if self.distill_cfg is not None and not self.distill_cfg.skip_verification:
+            self._distill_task = weighted_rewards(rewards, self.reward_weights)  # finite: `runs.faults.check_rewards`
 
     def distill_score(self, batch: dict, inputs: list) -> DistillAdvantages | None:
         """Scorer stage: teacher log-probs of the agent tokens, the student's sampling log-probs, the composed

@@ -35,7 +35,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from rewards.detectors import needs_trajectories
-from trl_ext.estimator import RoutingArm
+from trl_ext.estimator import RoutingArm, weighted_rewards
 from trl_ext.routing.adapters import DualAdapter, adapters_disabled, apply_dual_lora, forget_params, retain_params
 from trl_ext.routing.advantages import prompt_hackable
 from trl_ext.routing.args import RoutingArgs, check_run_routing
@@ -242,7 +242,7 @@ class RoutingMixin:
             rewards = rewards.clone()
             rewards[~pays, 0] = g["base"][~pays]
         scored["gathered"] = g
-        scored["rewards"] = (rewards * self.reward_weights.to(device).unsqueeze(0)).nansum(1)
+        scored["rewards"] = weighted_rewards(rewards, self.reward_weights)
         if a.labelled and train:
             scored["stats"]["n_hackable"] = int(hackable.sum())
         if self.rh_detector is not None:  # quadrant counts (hackable x detected) of this process's completions
