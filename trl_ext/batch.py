@@ -52,7 +52,7 @@ class BatchFeatures:
     distill_gate: bool = False
 
     def required(self) -> dict[str, bool]:
-        """Optional key -> whether it must be present (False: it must be absent)."""
+        """Optional key -> True: it must be present; False: it must be absent; None: either (TRL may add it)."""
         return {"tool_mask": self.env, "sampling_per_token_logps": self.offpolicy or None,
                 "behaviour_versions": self.offpolicy, "is_rh": self.detector, "is_bad": self.labelled,
                 "distill_lp_teacher": self.distill_teacher_tokens, "distill_gate": self.distill_gate}
