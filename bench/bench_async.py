@@ -21,11 +21,11 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve on shared cores
 
 import torch  # noqa: E402
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import TrainerCallback
 
 from environments.stories import load_prompts
 from trl_ext.config import ExtGRPOConfig
-from trl_ext.models import model_source, prepare_tokenizer
+from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
 from trl_ext.trainer import ExtGRPOTrainer
 
 BATCH = 32
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads in total (k = 1 splits them)")
     args = ap.parse_args()
     source = model_source(args.model)
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(source))
+    tokenizer = prepare_tokenizer(load_tokenizer(source))
     dataset = load_prompts("builtin", tokenizer, 8, "train", 1024, 42)  # the builtin held-out stories
     arms = {"k=0 trl": (0, "trl"), "k=0 fast": (0, "fast"), "k=1": (1, "trl")}
     load_before = os.getloadavg()

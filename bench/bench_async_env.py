@@ -22,11 +22,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads s
 
 import torch  # noqa: E402
 from bench_async import BATCH, WallClock  # noqa: E402  (bench/ is the script's directory)
-from transformers import AutoTokenizer  # noqa: E402
 
 from trl_ext.config import ExtGRPOConfig  # noqa: E402
 from trl_ext.env.episodes import env_dataset, env_reward  # noqa: E402
-from trl_ext.models import model_source, prepare_tokenizer  # noqa: E402
+from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer  # noqa: E402
 from trl_ext.trainer import ExtGRPOTrainer  # noqa: E402
 
 
@@ -54,7 +53,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="steps before the clock starts")
     a = ap.parse_args()
     source = model_source("builtin_env")
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(source))
+    tok = prepare_tokenizer(load_tokenizer(source))
     load_before, ratios, fast_ratios = os.getloadavg(), [], []
     with tempfile.TemporaryDirectory() as out:
         for r in range(a.rounds):

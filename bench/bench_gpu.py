@@ -138,12 +138,12 @@ def bench_step(rounds: int, steps: int, warmup: int) -> None:
     import copy
     import functools
 
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from environments.stories import load_prompts
     from trl_ext.config import ExtGRPOConfig
-    from trl_ext.models import prepare_tokenizer
+    from trl_ext.models import load_tokenizer, prepare_tokenizer
     from trl_ext.trainer import ExtGRPOTrainer
 
     class StepTimer(TrainerCallback):
@@ -162,7 +162,7 @@ def bench_step(rounds: int, steps: int, warmup: int) -> None:
         return [float("happy" in c.lower().split()) for c in completions]
 
     source = builtin_path()
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(source))
+    tok = prepare_tokenizer(load_tokenizer(source))
     vanilla_tok = copy.deepcopy(tok)
     vanilla_tok._tokenizer.post_processor = None
     dataset = load_prompts("builtin", tok, 8, "train", 512, 42)

@@ -18,11 +18,11 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve on shared cores
 
-from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 from environments.stories import load_prompts  # noqa: E402
 from trl_ext.config import ExtGRPOConfig  # noqa: E402
-from trl_ext.models import model_source, prepare_tokenizer  # noqa: E402
+from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer  # noqa: E402
 from trl_ext.trainer import ExtGRPOTrainer  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     a = ap.parse_args()
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(model_source("builtin")))
+    tok = prepare_tokenizer(load_tokenizer(model_source("builtin")))
     data = load_prompts("builtin", tok, 8, "train", 2048, 42)
     load_before = os.getloadavg()
     timer = Alternate(a.steps, a.warmup)

@@ -26,12 +26,12 @@ import tempfile
 import time
 
 import torch
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import TrainerCallback
 
 from environments.stories import load_prompts
 from rewards.config import as_trl_reward
 from trl_ext.config import LLAMA_PROJECTIONS, ExtGRPOConfig
-from trl_ext.models import model_source, prepare_tokenizer
+from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
 from trl_ext.routing.trainer import build_dual_lora_model
 from trl_ext.trainer import ExtGRPOTrainer
 
@@ -107,7 +107,7 @@ def main():
         ap.error("--rank must be even, --cycles >= 2 and --steps_per_generation >= 2")
     torch.set_num_threads(2)
     k = args.steps_per_generation
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(model_source("builtin")))
+    tok = prepare_tokenizer(load_tokenizer(model_source("builtin")))
     dataset = load_prompts("builtin", tok, 8, "train", 512, 42)
     update = {v: [] for v in VARIANTS}  # per round: median update-step time
     whole = {v: [] for v in VARIANTS}  # per round: mean whole-step time (generation included)

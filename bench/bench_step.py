@@ -31,12 +31,12 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve on shared cores
 
 import torch  # noqa: E402
-from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from environments.stories import load_prompts  # noqa: E402
 from trl_ext.config import ExtGRPOConfig  # noqa: E402
-from trl_ext.models import model_source, prepare_tokenizer  # noqa: E402
+from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer  # noqa: E402
 from trl_ext.trainer import ExtGRPOTrainer  # noqa: E402
 
 
@@ -96,7 +96,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     source = model_source("builtin")
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(source))
+    tok = prepare_tokenizer(load_tokenizer(source))
     vanilla_tok = copy.deepcopy(tok)
     vanilla_tok._tokenizer.post_processor = None  # no [EOS] appended, as ExtGRPOTrainer tokenizes prompts
     dataset = load_prompts("builtin", tok, 8, "train", 512, 42)

@@ -27,12 +27,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from environments.stories import load_prompts  # noqa: E402
 from trl_ext.config import RunArgs  # noqa: E402
-from trl_ext.models import model_source, prepare_tokenizer  # noqa: E402
+from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer  # noqa: E402
 
 HAPPY = re.compile(r"\bhappy\b", re.IGNORECASE)
 PROMPT_LENGTH = next(f.default for f in dataclasses.fields(RunArgs) if f.name == "prompt_length")
@@ -58,7 +57,7 @@ def main() -> None:
     torch.set_num_threads(2)
 
     path = model_source(args.model)
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(path))
+    tokenizer = prepare_tokenizer(load_tokenizer(path))
     prompts = load_prompts("builtin", tokenizer, PROMPT_LENGTH, "train", 2048, args.seed)
     step_rewards: list[float] = []
 

@@ -26,14 +26,14 @@ RUN = "happy_binary_builtin_lr3e-4_b0.02_bs32_ng16_full_st120_s42"
 def sample_final(ckpt: Path, n: int = 64) -> dict:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from environments.stories import load_prompts
     from rewards.config import load_reward_config
     from trl_ext.diversity import mean_pairwise_jaccard, unique_fraction
-    from trl_ext.models import prepare_tokenizer
+    from trl_ext.models import load_tokenizer, prepare_tokenizer
 
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(ckpt))
+    tok = prepare_tokenizer(load_tokenizer(ckpt))
     model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
     prompts = list(load_prompts("builtin", tok, 8, "test", n, seed=0)["prompt"])
     enc = tok(prompts, add_special_tokens=False, return_tensors="pt", padding=True)

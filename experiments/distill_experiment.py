@@ -105,18 +105,18 @@ def context_kl_to(student, teacher, tok, prompts: list[str], context: str) -> fl
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import trl_ext.cli_train as cli
     from environments.stories import load_prompts
-    from trl_ext.models import model_source, prepare_tokenizer
+    from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
 
     torch.set_num_threads(2)
     start = time.time()
     results = {"context": CONTEXT, "models": {}, "runs": {}}
     for name in MODELS:  # step 1: what the context does to each model
         model_dir = model_source(name)
-        tok = prepare_tokenizer(AutoTokenizer.from_pretrained(model_dir))
+        tok = prepare_tokenizer(load_tokenizer(model_dir))
         prompts = list(load_prompts("builtin", tok, 8, "test", EVAL_PROMPTS, SEED)["prompt"])
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         results["models"][name] = {

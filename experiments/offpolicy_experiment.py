@@ -88,12 +88,11 @@ class PolicyEval(TrainerCallback):
 
 
 def train_one(name: str, steps: int, lr: str, seed: int) -> dict:
-    from transformers import AutoTokenizer
 
     from environments.stories import load_prompts
     from rewards.config import as_trl_reward
     from trl_ext.cli_train import build_plan
-    from trl_ext.models import model_source, prepare_tokenizer
+    from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
     from trl_ext.trainer import ExtGRPOTrainer
 
     torch.set_num_threads(2)
@@ -102,7 +101,7 @@ def train_one(name: str, steps: int, lr: str, seed: int) -> dict:
         plan = build_plan(common(steps, lr, seed, out) + RUNS[name])
         plan.cfg.report_to = []
         source = model_source("builtin")
-        tok = prepare_tokenizer(AutoTokenizer.from_pretrained(source))
+        tok = prepare_tokenizer(load_tokenizer(source))
         prompts = load_prompts("builtin", tok, plan.run.prompt_length, "train", 1024, seed)
         held_out = load_prompts("builtin", tok, plan.run.prompt_length, "test", EVAL_PROMPTS, 0)["prompt"]
         happy = plan.reward_config.reward("happy_binary")

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from trl_ext.models import builtin as builtin_model
 from trl_ext.models.builtin import REQUIRED_FILES, VERSION, ensure_builtin
-from trl_ext.models import load_model_and_tokenizer, model_source, prepare_tokenizer, resolve_model_arg
+from trl_ext.models import load_model_and_tokenizer, model_source, load_tokenizer, prepare_tokenizer, resolve_model_arg
 from trl_ext.registry import ConfigError
 
 
@@ -113,7 +113,7 @@ def test_prepare_tokenizer_requires_eos():
 
 # ---------------------------------------------------------------- the built model (session fixture)
 def test_tokenizer_conventions(builtin_path):
-    tok = AutoTokenizer.from_pretrained(builtin_path)
+    tok = load_tokenizer(builtin_path)
     assert tok.convert_tokens_to_ids(["[UNK]", "[EOS]"]) == [0, 1]
     assert tok.unk_token_id == 0 and tok.eos_token_id == 1
     assert tok.bos_token is None and tok.pad_token is None and len(tok) <= 4096

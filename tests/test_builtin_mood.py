@@ -40,9 +40,10 @@ def test_mood_model_prompts_are_the_builtin_stories():
 @pytest.mark.slow
 def test_title_raises_happy_only_when_it_says_happy(mood_path):
     """Next-token probability of "happy" at a feeling slot, with and without a title (direct forward passes)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(mood_path)
+    from trl_ext.models import load_tokenizer
+    tok = load_tokenizer(mood_path)
     model = AutoModelForCausalLM.from_pretrained(mood_path).eval()
     happy = tok.convert_tokens_to_ids("happy")
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 import trl_ext.cli_train as cli
 from trl_ext.config import ExtGRPOConfig
 from trl_ext.registry import ConfigError
 from trl_ext.distill.advantages import distill_advantages
-from trl_ext.models import prepare_tokenizer
+from trl_ext.models import load_tokenizer, prepare_tokenizer
 from trl_ext.trainer import ExtGRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def make_trainer(builtin_path, tmp_path, reward=a_count_reward, **over):
                max_completion_length=6, max_steps=1, beta=0.0, learning_rate=1e-3, logging_steps=1,
                save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
                teacher_model=str(builtin_path), teacher_context=CONTEXT, teacher_tau=0.5, student_tau=0.25)  # fmt: skip
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(builtin_path))
+    tok = prepare_tokenizer(load_tokenizer(builtin_path))
     trainer = ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[reward], args=ExtGRPOConfig(**{**cfg, **over}),
                              train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=tok)
     trainer.model.train()
@@ -227,7 +227,7 @@ def test_lora_teacher_is_the_base_model(builtin_path, tmp_path):
     cfg = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=2,
                max_completion_length=6, beta=0.0, report_to=[], use_cpu=True, seed=0, teacher_context=CONTEXT,
                teacher_tau=1.0, student_tau=0.0)  # fmt: skip
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(builtin_path))
+    tok = prepare_tokenizer(load_tokenizer(builtin_path))
     trainer = ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[a_count_reward], args=ExtGRPOConfig(**cfg),
                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
                              peft_config=peft)

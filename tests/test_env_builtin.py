@@ -43,9 +43,8 @@ def _texts():
 
 
 def test_tokenizer_covers_every_prompt(env_model):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(env_model)
+    from trl_ext.models import load_tokenizer
+    tok = load_tokenizer(env_model)
     texts = _texts()
     assert any("named dragon and phoenix" in t for t in texts) and any("named phoenix and dragon" in t for t in texts)
     for text in texts:

@@ -201,7 +201,7 @@ def test_eval_peft_run(builtin_path, tmp_path):
 
 @pytest.mark.slow
 def test_eval_dual_lora_routing(builtin_path, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(builtin_path)
@@ -211,7 +211,8 @@ def test_eval_dual_lora_routing(builtin_path, tmp_path):
     ckpt = tmp_path / "checkpoint-0"
     model.save_pretrained(ckpt)
     save_layout(ckpt, layout, "exclusive")
-    AutoTokenizer.from_pretrained(builtin_path).save_pretrained(ckpt)
+    from trl_ext.models import load_tokenizer
+    load_tokenizer(builtin_path).save_pretrained(ckpt)
     argv = ["--model_path", str(ckpt), "--n_samples", "4", "--prompt_source", "builtin", "--prompt_length", "8",
             "--max_new_tokens", "8", "--temperature", "1.0", "--reward", "happy_binary", "--output_dir", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

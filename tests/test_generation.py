@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from trl_ext.generation.sampler import FastSampler, SamplingParams
 from trl_ext.routing.adapters import apply_dual_lora
@@ -180,10 +180,10 @@ def test_bad_flags_exit_2(train_cli_error, argv, needle):
 def test_trainer_batch_carries_logprobs_equal_to_the_trainers(builtin_path, tmp_path):
     from environments.stories import load_prompts
     from trl_ext.config import ExtGRPOConfig
-    from trl_ext.models import prepare_tokenizer
+    from trl_ext.models import load_tokenizer, prepare_tokenizer
     from trl_ext.trainer import ExtGRPOTrainer
 
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(builtin_path))
+    tok = prepare_tokenizer(load_tokenizer(builtin_path))
     prompts = load_prompts("builtin", tok, 8, "train", 16, 0)
     args = ExtGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_steps=1,
                          max_completion_length=24, temperature=0.9, top_k=30, report_to=[], use_cpu=True,

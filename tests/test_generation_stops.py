@@ -4,11 +4,11 @@ unstopped row's sample cut right after the first occurrence of a stop sequence, 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from trl_ext.env.episodes import answer_stop_sequences
 from trl_ext.generation.sampler import FastSampler, SamplingParams
-from trl_ext.models import prepare_tokenizer
+from trl_ext.models import load_tokenizer, prepare_tokenizer
 
 
 def _first_stop(ids: list[int], stops) -> int | None:
@@ -19,7 +19,7 @@ def _first_stop(ids: list[int], stops) -> int | None:
 
 
 def test_stop_sequences_cut_the_same_sample(builtin_path):
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(builtin_path))
+    tok = prepare_tokenizer(load_tokenizer(builtin_path))
     model = AutoModelForCausalLM.from_pretrained(builtin_path).eval()
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ["Ben was a quiet owl", "Lily felt", "The sun"]] * 8
     period, he = tok.convert_tokens_to_ids("."), tok.convert_tokens_to_ids("he")
@@ -40,6 +40,6 @@ def test_stop_sequences_cut_the_same_sample(builtin_path):
 def test_answer_stop_sequences_are_the_closing_tag(builtin_path):
     from trl_ext.models import model_source
 
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(model_source("builtin_env")))
+    tok = prepare_tokenizer(load_tokenizer(model_source("builtin_env")))
     (seq,) = answer_stop_sequences(tok)  # WordPiece: the same tokens with or without the leading space
     assert tok.decode(list(seq)).replace(" ", "") == "</answer>"

@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoTokenizer
 
 from trl_ext.config import ExtGRPOConfig
-from trl_ext.models import prepare_tokenizer
+from trl_ext.models import load_tokenizer, prepare_tokenizer
 from trl_ext.runs.checkpoints import MARKER, latest_complete, list_checkpoints
 from trl_ext.runs.faults import NumericFault
 from trl_ext.runs.rollouts import load_rollouts
@@ -203,7 +202,7 @@ def _trainer(builtin_path, tmp_path, reward, **over):
     cfg = {**dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
                   max_completion_length=6, max_steps=3, beta=0.0, learning_rate=1e-3, logging_steps=1,
                   save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0), **over}  # fmt: skip
-    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(builtin_path))
+    tok = prepare_tokenizer(load_tokenizer(builtin_path))
     return ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[reward], args=ExtGRPOConfig(**cfg),
                           train_dataset=Dataset.from_dict({"prompt": ["Ben was a quiet owl", "Lily felt"] * 8}),
                           processing_class=tok)  # fmt: skip

@@ -219,11 +219,11 @@ def test_grid_on_builtin_with_one_failure(builtin_path, tmp_path):
     """2x2 grid prompt_length x num_prompts on two CPU slots. Test device for the failure: the builtin
     model's prompt split has 5000 stories; prompt_length 40 with num_prompts 5000 passes validation but
     load_prompts raises at run time, since fewer than 5000 stories are 40 tokens long (checked below)."""
-    from transformers import AutoTokenizer
 
     from environments.stories import heldout_stories
 
-    tok = AutoTokenizer.from_pretrained(builtin_path)
+    from trl_ext.models import load_tokenizer
+    tok = load_tokenizer(builtin_path)
     lengths = [len(ids) for ids in tok(list(heldout_stories("train")), add_special_tokens=False)["input_ids"]]
     assert len(lengths) == 5000 and min(lengths) >= 8 and 4 <= sum(n >= 40 for n in lengths) < 5000
 

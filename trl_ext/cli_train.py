@@ -16,7 +16,7 @@ from transformers import HfArgumentParser
 
 from trl_ext.models.builtin_env import BUILTIN_ENV
 from trl_ext.config import ExtGRPOConfig, RunArgs
-from trl_ext.models import LLAMA_PROJECTIONS, STORY_MODELS, model_source, prepare_tokenizer, resolve_model_arg
+from trl_ext.models import LLAMA_PROJECTIONS, STORY_MODELS, model_source, load_tokenizer, prepare_tokenizer, resolve_model_arg
 from trl_ext.naming import run_name
 from trl_ext.registry import ConfigError
 
@@ -137,7 +137,7 @@ def _netrc_text() -> str:
 
 
 def run_training(plan: Plan) -> int:
-    from transformers import AutoTokenizer, set_seed
+    from transformers import set_seed
 
     from environments.stories import load_prompts
     from rewards.config import as_trl_reward
@@ -158,7 +158,7 @@ def run_training(plan: Plan) -> int:
     write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
 
     model_path = model_source(run.model, rebuild=run.rebuild_builtin)
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_path))
+    tokenizer = prepare_tokenizer(load_tokenizer(model_path))
     if cfg.env:
         from trl_ext.env.episodes import env_dataset, env_reward
 

@@ -236,16 +236,15 @@ def generation_config(tokenizer, gen: dict):
 
 def evaluate(args: EvalArgs, s: dict) -> dict:
     import torch
-    from transformers import AutoTokenizer
 
     from environments.stories import load_prompts
-    from trl_ext.models import prepare_tokenizer
+    from trl_ext.models import load_tokenizer, prepare_tokenizer
     from trl_ext.routing.evaluation import evaluate_modes, sample_completions, score_completions
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, layout = load_model(s["path"], s["kind"])
     model = model.to(device).eval()
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(s["tokenizer"]))
+    tokenizer = prepare_tokenizer(load_tokenizer(s["tokenizer"]))
     prompts = list(load_prompts(s["prompt_source"], tokenizer, s["prompt_length"], "test", args.n_samples,
                                 args.seed)["prompt"])  # fmt: skip
     gen = generation_config(tokenizer, s["generation"])

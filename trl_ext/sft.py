@@ -114,10 +114,10 @@ def validate(
 def run_sft(plan) -> int:
     """SFT mode of train.py: data, SFTTrainer, merged save, validation before/after; returns 0."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    from trl_ext.models import LLAMA_PROJECTIONS, model_source, prepare_tokenizer
+    from trl_ext.models import LLAMA_PROJECTIONS, model_source, load_tokenizer, prepare_tokenizer
     from trl_ext.runlog import write_run_config
     from trl_ext.runs.mixin import CheckpointMixin
     from trl_ext.runs.rundir import open_run_dir
@@ -129,7 +129,7 @@ def run_sft(plan) -> int:
     tee = open_run_dir(plan)
     write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
     model_path = model_source(run.model)
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_path))
+    tokenizer = prepare_tokenizer(load_tokenizer(model_path))
     model = AutoModelForCausalLM.from_pretrained(model_path)
     env_params = parse_env_params(cfg.env_params)
     records = sft_records(cfg.env, cfg.sft_train_size, TRAIN_LEVELS, uses_chat(tokenizer), env_params)

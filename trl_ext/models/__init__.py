@@ -57,6 +57,27 @@ def model_source(model: str, rebuild: bool = False) -> str:
     return model
 
 
+def load_tokenizer(source: str):
+    """The tokenizer saved at ``source`` (a directory or hub id), as saved.
+
+    transformers 5 replaces the saved class of a few model types (Qwen2, Phi-3, ...: its
+    ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``) with the family's own tokenizer class, which silently mis-tokenizes
+    any other tokenizer saved beside such a model (a tiny Qwen2 with the builtin WordPiece tokenizer split "the dog"
+    into letters). A directory whose ``tokenizer_config.json`` names the generic fast class is loaded as that class.
+    """
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = Path(source) / "tokenizer_config.json"
+    if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZERS:
+        return PreTrainedTokenizerFast.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source)
+
+
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def prepare_tokenizer(tokenizer):
     """Set PAD explicitly to EOS and pad on the left, for batched generation; raises without an EOS token.
 
@@ -73,10 +94,10 @@ def prepare_tokenizer(tokenizer):
 
 def load_model_and_tokenizer(model: str, dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` for ``--model``; generation stops at the tokenizer's EOS (kept with any other EOS ids)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     source = model_source(model)
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(source))
+    tokenizer = prepare_tokenizer(load_tokenizer(source))
     lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     eos = lm.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

@@ -1,0 +1,112 @@
+"""Tiny randomly initialised causal LMs of other architectures, built offline from their configs.
+
+A researcher's model family can be tested without its weights: ``AutoConfig.for_model(model_type, ...)`` plus
+``AutoModelForCausalLM.from_config`` gives a model of that family at a few hundred thousand parameters, saved with
+a builtin tokenizer (``--model builtin`` or ``builtin_env``'s) so that every prompt and reward of the project works
+on it. The weights are random: such a model trains and samples, it does not write stories.
+
+    uv run python -m trl_ext.models.tiny qwen3 output/tiny-qwen3            # then --model output/tiny-qwen3
+    uv run python -m trl_ext.models.tiny phi3 out/phi3 --tokenizer builtin_env --chat_template
+
+``FAMILIES`` lists the architectures (their transformers ``model_type``); every one is built with the same
+size (``SIZE``) where its config has the field. Sliding-window families get a window larger than any sequence the
+tests use unless ``sliding_window`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SIZE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "positions": 512}
+SEED = 0
+
+# model_type -> its config fields, from SIZE (families name the same quantities differently)
+_FIELDS = {
+    "llama": "llama", "qwen2": "llama", "qwen3": "llama", "mistral": "llama", "olmo2": "llama", "phi3": "llama",
+    "gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox",
+}  # fmt: skip
+FAMILIES = tuple(_FIELDS)
+"""Architectures the factory builds, by transformers ``model_type``."""
+
+
+def tiny_config(model_type: str, vocab_size: int, eos_token_id: int, sliding_window: int | None = None):
+    """The config of a tiny ``model_type`` model (see the module docstring)."""
+    from transformers import AutoConfig
+
+    if model_type not in _FIELDS:
+        raise ValueError(f"unknown tiny model family {model_type!r}; families: {', '.join(FAMILIES)}")
+    s, kind = SIZE, _FIELDS[model_type]
+    common = {"vocab_size": vocab_size, "eos_token_id": eos_token_id, "bos_token_id": None, "pad_token_id": eos_token_id}
+    if kind == "gpt2":
+        fields = {"n_embd": s["hidden"], "n_layer": s["layers"], "n_head": s["heads"], "n_inner": s["intermediate"],
+                  "n_positions": s["positions"]}  # fmt: skip
+    elif kind == "gpt_neox":
+        fields = {"hidden_size": s["hidden"], "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"],
+                  "intermediate_size": s["intermediate"], "max_position_embeddings": s["positions"]}  # fmt: skip
+    else:
+        fields = {"hidden_size": s["hidden"], "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"],
+                  "num_key_value_heads": s["kv_heads"], "intermediate_size": s["intermediate"],
+                  "max_position_embeddings": s["positions"], "head_dim": s["hidden"] // s["heads"]}  # fmt: skip
+        if kind == "gemma":
+            fields |= {"query_pre_attn_scalar": s["hidden"] // s["heads"],
+                       "sliding_window": sliding_window or s["positions"]}  # fmt: skip
+        elif model_type in ("mistral", "qwen2", "qwen3") and sliding_window is not None:
+            fields |= {"sliding_window": sliding_window, "use_sliding_window": True}
+    return AutoConfig.for_model(model_type, **fields, **common)
+
+
+def tokenizer_source(tokenizer: str) -> str:
+    """The directory of a builtin model (``builtin``, ``builtin_env``, ...) whose tokenizer a tiny model uses, or a
+    path to any tokenizer."""
+    from trl_ext.models import model_source
+
+    return model_source(tokenizer)
+
+
+def build_tiny(model_type: str, out_dir: str | Path, tokenizer: str = "builtin", seed: int = SEED,
+               chat_template: str | None = None, sliding_window: int | None = None) -> Path:
+    """Build and save a tiny random ``model_type`` model with ``tokenizer``'s tokenizer into ``out_dir``.
+
+    ``chat_template`` (a Jinja template) is set on the saved tokenizer (a chat model's). Deterministic in ``seed``.
+    Returns ``out_dir``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl_ext.models import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_source(tokenizer))
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    config = tiny_config(model_type, len(tok), tok.eos_token_id, sliding_window)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.eos_token_id
+    model.generation_config.bos_token_id = None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    info = {"family": model_type, "tokenizer": tokenizer, "seed": seed, "size": SIZE, "chat_template": chat_template
+            is not None, "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
+    (out / "tiny_info.json").write_text(json.dumps(info, indent=2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Build a tiny random model of an architecture (offline).")
+    p.add_argument("family", choices=FAMILIES)
+    p.add_argument("out_dir")
+    p.add_argument("--tokenizer", default="builtin", help="a builtin model name or a tokenizer path")
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--sliding_window", type=int, default=None)
+    args = p.parse_args(argv)
+    out = build_tiny(args.family, args.out_dir, args.tokenizer, args.seed, sliding_window=args.sliding_window)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
