@@ -297,7 +297,9 @@ def test_k0_is_stock_trl(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 20)])
 def test_sampler_logprobs_match_trainer_on_builtin(builtin_path, tmp_path, temperature, top_k):
-    """Same weights (k = 0): the sampler's behaviour log-probs vs the fused-head trainer log-probs, ratio 1 +- 1e-5."""
+    """Same weights (k = 0): the sampler's behaviour log-probs vs the fused-head trainer log-probs in float32: two
+    summation orders, so equal to float32 rounding (max |log r| < 5e-5 over ~500 tokens, mean < 2e-6; the float64
+    equality to 1e-10 is tests/test_generation.py's)."""
     from environments.stories import load_prompts
     from trl_ext.models import prepare_tokenizer
 
@@ -318,7 +320,8 @@ def test_sampler_logprobs_match_trainer_on_builtin(builtin_path, tmp_path, tempe
         lp = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, width)[0]
     behaviour = torch.tensor([lp_ + [0.0] * (width - len(lp_)) for lp_ in out.logprobs])
     log_ratio = (lp - behaviour)[mask.bool()]
-    assert log_ratio.numel() > 100 and log_ratio.abs().max().item() < 1e-5
+    print(f"max |log r| {log_ratio.abs().max().item():.2e}, mean {log_ratio.abs().mean().item():.2e}")
+    assert log_ratio.numel() > 100 and log_ratio.abs().max().item() < 5e-5 and log_ratio.abs().mean().item() < 2e-6
 
 
 @pytest.mark.slow
