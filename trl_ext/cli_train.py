@@ -49,6 +49,9 @@ def build_plan(argv: list[str]) -> Plan:
     from trl_ext.distill.args import check_run_distill
     from trl_ext.routing.args import check_run_routing
 
+    from trl_ext.launch.processes import check_single_process
+
+    check_single_process("train.py")
     run, cfg, unknown = parser().parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         raise ConfigError(f"unknown arguments: {' '.join(unknown)} (see train.py --help)")

@@ -313,8 +313,11 @@ def write_report(report: dict, out_dir: Path, ckpt_name: str) -> tuple[Path, Pat
 def main(argv: list[str] | None = None) -> int:
     from transformers import HfArgumentParser
 
+    from trl_ext.launch.processes import check_single_process
+
     argv = sys.argv[1:] if argv is None else argv
     try:
+        check_single_process("eval_run.py")
         (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(args=argv)
         settings = resolve(args)
     except ConfigError as e:

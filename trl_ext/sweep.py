@@ -383,8 +383,11 @@ def write_summary(results: list[RunResult], sweep_dir: Path) -> dict[str, Path]:
 def main(argv: list[str] | None = None) -> int:
     from transformers import HfArgumentParser
 
+    from trl_ext.launch.processes import check_single_process
+
     argv = sys.argv[1:] if argv is None else argv
     try:
+        check_single_process("sweep.py")  # each run is a train.py process of its own
         (args,) = HfArgumentParser(SweepArgs).parse_args_into_dataclasses(args=argv)
         spec = build_spec(args)
         runs = plan_runs(spec)

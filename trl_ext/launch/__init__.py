@@ -1,0 +1,1 @@
+"""How the CLIs were launched: one process, or several (torchrun, ``accelerate launch``, mpirun)."""
