@@ -40,7 +40,7 @@ from trl_ext.registry import ConfigError, Registry
 ENVIRONMENTS: Registry = Registry("environment")
 
 # Modules whose import registers the builtin environments (see ``make_env``).
-BUILTIN_MODULES = ("bandit", "sokoban", "frozenlake", "arithmetic", "prisoners")
+BUILTIN_MODULES = ("bandit", "sokoban", "frozenlake", "arithmetic", "prisoners", "search")
 
 # Joins history segments; also ends every segment, so a history always ends with it and a model
 # generating from it starts directly with its answer.

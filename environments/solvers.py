@@ -7,7 +7,8 @@ that state, exactly the text ``run_episode`` gives the policy, so SFT data and v
 
 An environment with ``has_solver = True`` provides ``solver_state()``, ``successors(state)`` (yielding
 (action, next state) for moves that change the state and do not end the episode in failure) and
-``is_goal(state)``. Actions are tried in ``action_words`` order, so the path found is deterministic.
+``is_goal(state)``. Actions are tried in ``action_words`` order, so the path found is deterministic. An environment
+whose play is not a search over a small state space (search) provides ``scripted_actions()`` instead.
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ def _require_solver(name: str) -> None:
 
 
 def shortest_actions(env: Environment) -> list[str]:
-    """BFS shortest action path from ``env``'s current state; ValueError when no path exists."""
+    """BFS shortest action path from ``env``'s current state; ValueError when no path exists. An environment with
+    ``scripted_actions()`` (search: search, read, answer) gives its scripted play instead of a BFS."""
     _require_solver(env.name)
+    if hasattr(env, "scripted_actions"):
+        return env.scripted_actions()
     path = bfs(env.solver_state(), env.successors, env.is_goal)
     if path is None:
         raise ValueError(f"{env.name}: no action path reaches the goal from this state")

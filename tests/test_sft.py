@@ -16,7 +16,7 @@ def no_training(monkeypatch):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--mode", "sft", "--env", "arithmetic"], "environments with one: frozenlake, sokoban"),
+        (["--mode", "sft", "--env", "arithmetic"], "environments with one: frozenlake, search, sokoban"),
         (["--mode", "sft", "--env", "prisoners_dilemma"], "no BFS solver"),
         (["--mode", "sft", "--reward", "happy_binary"], "--mode sft needs --env"),
         (["--mode", "distill", "--env", "frozenlake"], "--mode must be one of rl, sft"),

@@ -19,14 +19,15 @@ class EnvArgs:
     env: str = field(
         default="",
         metadata={"help": "Train on a text environment (RAGEN): two_armed_bandit, sokoban, frozenlake, arithmetic, "
-                  "prisoners_dilemma. Replaces --reward: the reward is the episode's summed step rewards."},
+                  "prisoners_dilemma, search. Replaces --reward: the reward is the episode's summed step rewards."},
     )  # fmt: skip
     env_params: str = field(
         default="",
         metadata={"help": "Environment parameters, key=value pairs separated by commas (values are YAML scalars), "
                   "e.g. 'slippery=false' or 'size=8,p_frozen=0.9' (frozenlake), 'size=7' (sokoban), "
                   "'strict=true' (any: the strict answer format, no <think> prefill), "
-                  "'opponent=always_defect' or 'opponent=random' (prisoners_dilemma). Unset: the environment's defaults."},
+                  "'opponent=always_defect' or 'opponent=random' (prisoners_dilemma), "
+                  "'k=5,n_pages=200,corpus_seed=1,page_chars=300' (search). Unset: the environment's defaults."},
     )  # fmt: skip
     max_turns: int | None = field(
         default=None, metadata={"help": "Turns per episode (RAGEN max_turns); default: the environment's own."}

@@ -181,6 +181,7 @@ def log_episodes(trainer, trajs: list[Trajectory], words: tuple[str, ...]) -> No
     metrics["env/invalid_frac"].append(sum(t.n_invalid for t in trajs) / sum(len(t.turns) for t in trajs))
     metrics["env/turns"].append(sum(len(t.turns) for t in trajs) / n)
     if all(len(w) > 1 for w in words):  # action words (not arithmetic's characters): first-move frequencies
-        first = [t.turns[0].info["action"] for t in trajs]
+        # an action with an argument (search's "read: title") counts under its verb, the step's info["action_kind"]
+        first = [t.turns[0].info.get("action_kind", t.turns[0].info["action"]) for t in trajs]
         for w in words:
             metrics[f"env/first_action/{w}"].append(first.count(w) / n)

@@ -6,7 +6,8 @@ same way (``trl_ext.models.builtin``: same tokenizer pipeline and pruning, same 
 Llama, same pretraining loop and schedule) from a corpus that adds environment transcripts to the stories:
 
 - ``STORIES`` stories (``generate_stories``, the builtin corpus' seed);
-- ``EPISODES_PER_ENV`` episodes of every registered environment, on level seeds from ``LEVEL_SEED_BASE``
+- ``EPISODES_PER_ENV`` episodes of each of ``PRETRAIN_ENVS`` (the environments v4 was built with; search came
+  later and is not in this model's corpus), on level seeds from ``LEVEL_SEED_BASE``
   on (far from the seeds that training, SFT and validation use), with the environments' default
   parameters (RAGEN's prompts: the ``<think>`` prefill, named bandit arms, slippery FrozenLake), played
   by a uniformly random policy that always answers ``<answer>action</answer>`` right after the prefill
@@ -36,6 +37,7 @@ STORIES = 5000
 EPISODES_PER_ENV = 2000
 LEVEL_SEED_BASE = 1_000_000
 CORPUS_SEED = 7
+PRETRAIN_ENVS = ("arithmetic", "frozenlake", "prisoners_dilemma", "sokoban", "two_armed_bandit")  # in this order
 RANDOM_ANSWER_MAX = 100
 
 
@@ -60,13 +62,12 @@ def random_episode_text(env, level_seed: int, rng: random.Random, max_turns: int
 
 def corpus() -> list[str]:
     """Stories and environment transcripts, interleaved deterministically."""
-    from environments.base import ENVIRONMENTS, env_class, make_env
+    from environments.base import make_env
     from environments.stories import PRETRAIN_SEED, generate_stories
 
-    env_class("two_armed_bandit")  # imports (and so registers) every builtin environment
     rng = random.Random(CORPUS_SEED)
     docs = generate_stories(STORIES, seed=PRETRAIN_SEED)
-    for name in ENVIRONMENTS.names():
+    for name in PRETRAIN_ENVS:
         env = make_env(name)
         for i in range(EPISODES_PER_ENV):
             docs.append(random_episode_text(env, LEVEL_SEED_BASE + i, rng, env.max_turns_default))
