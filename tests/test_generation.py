@@ -103,7 +103,7 @@ def test_logprobs_equal_full_forward_on_qwen2_with_biases():
 def test_unsupported_model_is_refused():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    with pytest.raises(ValueError, match="supports llama, qwen2"):
+    with pytest.raises(ValueError, match="does not implement model_type 'gpt2'.*use --generation_backend trl"):
         FastSampler(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)))
 
 

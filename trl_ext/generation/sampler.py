@@ -1,17 +1,20 @@
-"""Fast sampler for small Llama-family causal LMs: a static KV cache, preallocated step buffers, the fused sampling
-step of ``trl_ext.generation.sampling`` and, on CUDA, one CUDA graph per (batch, length) for the whole decode step.
+"""Fast sampler for small causal LMs: a static KV cache, preallocated step buffers, the fused sampling step of
+``trl_ext.generation.sampling`` and, on CUDA, one CUDA graph per (batch, length) for the whole decode step.
 
 The per-token cost of ``transformers.generate`` on a tiny model is Python and kernel-launch overhead (dynamic cache,
 mask building, logits processors, stopping criteria, output dataclasses), not arithmetic. This sampler runs the
-model's own embedding and rotary tables, and each decoder layer as transformers' Llama/Qwen2 layer computes it (RMSNorm
-in float32, rotate-half RoPE, softmax attention, SiLU-gated MLP, in the same order of operations) on fused weights
-read from the model's projections (``trl_ext.generation.weights``: LoRA / PEFT / dual-LoRA wrappers as their merged
-weights). Attention: ``F.scaled_dot_product_attention`` on CUDA, the plain product on CPU.
+model's own embedding and rotary modules, and each decoder layer as transformers computes it, in the same order of
+operations (``trl_ext.generation.layers``), on fused weights read from the model's projections
+(``trl_ext.generation.weights``: LoRA / PEFT / dual-LoRA wrappers as their merged weights).
+
+Families (transformers ``model_type``, ``trl_ext.generation.families``): llama, qwen2, qwen3, mistral, phi3, olmo2,
+gemma2, gemma3_text, with their sliding windows, q/k norms, soft-caps and per-layer-type RoPE. Everything else is
+refused with a reason (`fast_backend_refusal`, decidable from the config at parse time).
 
 Positions are numbered 0..len-1 over the left-padded row, as TRL's trainer forward numbers them (it passes no
 position ids); ``transformers.generate`` numbers them from each row's first real token instead. The two agree
 whenever the prompts of a batch have equal length (the story prompts); with unequal lengths the fast backend samples
-the policy that the trainer scores.
+the policy that the trainer scores. Sliding windows count positions of the padded row, as transformers' masks do.
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from trl.trainer.utils import pad
 
+from trl_ext.generation.families import FAMILIES, fast_backend_refusal
+from trl_ext.generation.layers import DecodePlan, decode_layers, logits_of, prefill_masks, rope_tables, window_mask
 from trl_ext.generation.sampling import completions_from_steps, finish_step, sample_step
 from trl_ext.generation.weights import DecodeWeights, check_generation_safe
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+__all__ = ["FastSampler", "Sampled", "SamplingParams", "decoder_of", "fast_backend_refusal", "SUPPORTED_MODEL_TYPES"]
 
 
 @dataclass(frozen=True)
@@ -67,20 +72,18 @@ class Sampled:
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
-    """The ``*ForCausalLM`` module under a PEFT wrapper (or the model itself); ValueError for unsupported models."""
+    """The ``*ForCausalLM`` module under a PEFT wrapper (or the model itself); ValueError with `fast_backend_refusal`'s
+    reason for a model the fast backend does not sample exactly. Dropout modules are checked as they are when sampling
+    (``check_generation_safe``: zeroed by ``--disable_dropout``, inactive in eval mode), not from the config."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = getattr(base, "config", None)
-    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"the fast generation backend supports {', '.join(SUPPORTED_MODEL_TYPES)} models, got "
-                         f"{getattr(cfg, 'model_type', type(base).__name__)!r}")  # fmt: skip
-    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
-        raise ValueError("the fast generation backend supports full attention only (sliding-window layers found)")
+    if cfg is None:
+        raise ValueError(f"the fast generation backend needs a transformers model with a config, got "
+                         f"{type(base).__name__}; use --generation_backend trl")  # fmt: skip
+    reason = fast_backend_refusal(cfg, disable_dropout=True)
+    if reason is not None:
+        raise ValueError(reason)
     return base
-
-
-def _rms_norm(h: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """LlamaRMSNorm / Qwen2RMSNorm: normalised in float32, cast back, then scaled (transformers' order)."""
-    return weight * F.rms_norm(h.float(), (h.shape[-1],), None, eps).to(h.dtype)
 
 
 class FastSampler:
@@ -90,86 +93,37 @@ class FastSampler:
         self.model = model
         self.decoder = decoder_of(model)
         self.inner = self.decoder.model
-        attn = self.inner.layers[0].self_attn
-        self.n_heads, self.n_kv = self.decoder.config.num_attention_heads, self.decoder.config.num_key_value_heads
-        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.plan = DecodePlan.of(self.decoder)
         self.cuda_graphs = cuda_graphs
         self.weights: DecodeWeights | None = None
         self._state: _DecodeState | None = None
 
     # ------------------------------------------------------------------ model pieces
-    def _layers(self, h: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, state: _DecodeState,
-                kv_len: int | None) -> Tensor:  # fmt: skip
-        """Every decoder layer on ``h`` [B, S, H] at positions ``pos`` [S] (RoPE tables ``cos``/``sin`` [S, n, d]
-        over the n = n_q + 2 n_kv heads of the fused QKV output), writing K/V into the cache; returns the final-norm
-        hidden states [B * S, H]."""
-        b, s, hidden = h.shape
-        w, eps, nq, d = self.weights, self.weights.eps, self.n_heads, self.head_dim
-        h = h.reshape(b * s, hidden)
-        for i, lw in enumerate(w.layers):
-            x = _rms_norm(h, lw["ln1"], eps)
-            qkv = (torch.mm(x, lw["qkv"]) if lw["qkv_b"] is None else torch.addmm(lw["qkv_b"], x, lw["qkv"]))
-            qkv = qkv.view(b, s, -1, d)
-            # RoPE (rotate-half convention) on the q and k heads; the tables hold cos 1 / sin 0 for the v heads.
-            # Products and sums in the order of transformers' layers (fused forms round differently)
-            qkv = (qkv * cos + qkv.roll(d // 2, -1) * sin).transpose(1, 2)  # [B, n, S, d]
-            k, v = state.k[i], state.v[i]
-            k.index_copy_(2, pos, qkv[:, nq : nq + self.n_kv].to(k.dtype))
-            v.index_copy_(2, pos, qkv[:, nq + self.n_kv :].to(v.dtype))
-            if kv_len is not None:
-                k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-            o = self._attend(qkv[:, :nq], k.to(qkv.dtype), v.to(qkv.dtype), mask)
-            o = o.transpose(1, 2).reshape(b * s, nq * d)
-            h = h + (torch.mm(o, lw["o"]) if lw["o_b"] is None else torch.addmm(lw["o_b"], o, lw["o"]))
-            x = _rms_norm(h, lw["ln2"], eps)
-            gu = torch.mm(x, lw["gate_up"]) if lw["gate_up_b"] is None else torch.addmm(lw["gate_up_b"], x,
-                                                                                           lw["gate_up"])
-            inter = gu.shape[1] // 2
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            h = h + (torch.mm(act, lw["down"]) if lw["down_b"] is None else torch.addmm(lw["down_b"], act, lw["down"]))
-        return _rms_norm(h, w.head["norm"], eps)
-
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """Softmax attention of ``q`` [B, n_q, S, d] over ``k``/``v`` [B, n_kv, L, d]; ``mask`` [B, 1, S, L] bool.
-        CUDA: PyTorch's fused kernel. CPU: the plain product (the fused CPU kernel costs ~0.4 ms per call at
-        decode sizes, more than the layer's matmuls)."""
-        if q.is_cuda:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
-                                                  enable_gqa=self.n_kv != self.n_heads)  # fmt: skip
-        b, nq, s, d = q.shape
-        g = nq // self.n_kv  # query heads per kv head (GQA): grouped, not copied
-        q = q.reshape(b, self.n_kv, g * s, d)
-        mask = mask if g == 1 or s == 1 else mask.repeat(1, 1, g, 1)
-        scores = torch.matmul(q * self.scaling, k.transpose(-1, -2)).masked_fill_(~mask, -torch.inf)
-        return torch.matmul(scores.softmax(-1), v).view(b, nq, s, d)
-
-    def _logits(self, h: Tensor) -> Tensor:
-        head = self.weights.head
-        return torch.mm(h, head["head"]) if head["head_b"] is None else torch.addmm(head["head_b"], h, head["head"])
-
     def _prefill(self, ids: Tensor, key_valid: Tensor, state: _DecodeState) -> Tensor:
-        """Prompt pass; returns the last position's logits [B, V]. Padding queries attend to themselves only (their
-        outputs are never used; this keeps every row finite)."""
+        """Prompt pass; returns the last position's logits [B, V]."""
         b, p = ids.shape
         pos = torch.arange(p, device=ids.device)
-        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
-        mask = (causal & key_valid[:, None, None, :p]) | torch.eye(p, dtype=torch.bool, device=ids.device)
-        h = self._layers(self.inner.embed_tokens(ids), pos, state.cos[:p], state.sin[:p], mask, state, p)
-        return self._logits(h.view(b, p, -1)[:, -1])
+        masks = prefill_masks(key_valid, p, state.windows)
+        ropes = {key: (cos[:p], sin[:p]) for key, (cos, sin) in state.ropes.items()}
+        h = decode_layers(self.plan, self.weights, self.inner.embed_tokens(ids), pos, ropes, masks, state.k, state.v, p)
+        return logits_of(self.plan, self.weights, h.view(b, p, -1)[:, -1])
 
     def _decode_step(self, state: _DecodeState, params: SamplingParams, noise_gen: torch.Generator | None,
                      graphed: bool) -> None:  # fmt: skip
         """One token for every row: the forward at ``state.pos`` of ``state.tok`` and the fused sampling step, all in
         place on the state's buffers (so that a CUDA graph can replay it)."""
         pos = state.pos
-        cos, sin = state.cos.index_select(0, pos), state.sin.index_select(0, pos)
+        ropes = {key: (cos.index_select(0, pos), sin.index_select(0, pos)) for key, (cos, sin) in state.ropes.items()}
         if graphed:  # static shapes: attend over the whole cache, keys past pos masked
-            mask, kv_len = (state.key_valid & (state.arange <= pos))[:, None, None, :], None
+            masks, kv_len = {w: window_mask(state.key_valid, state.arange, pos, w) for w in state.windows}, None
         else:
             kv_len = state.host_pos + 1
-            mask = state.key_valid[:, None, None, :kv_len]
-        h = self._layers(self.inner.embed_tokens(state.tok[:, None]), pos, cos, sin, mask, state, kv_len)
-        self._sample_into(state, self._logits(h), params, noise_gen)
+            valid = state.key_valid[:, :kv_len]
+            masks = {w: valid[:, None, None, :] if w is None else window_mask(valid, state.arange[:kv_len], pos, w)
+                     for w in state.windows}  # fmt: skip
+        h = self.inner.embed_tokens(state.tok[:, None])
+        h = decode_layers(self.plan, self.weights, h, pos, ropes, masks, state.k, state.v, kv_len)
+        self._sample_into(state, logits_of(self.plan, self.weights, h), params, noise_gen)
 
     def _sample_into(self, state: _DecodeState, logits: Tensor, params: SamplingParams,
                      noise_gen: torch.Generator | None) -> None:  # fmt: skip
@@ -203,7 +157,7 @@ class FastSampler:
         """
         if not prompt_ids or min(len(p) for p in prompt_ids) == 0:
             raise ValueError("every prompt needs at least one token")
-        check_generation_safe(self.model, self.decoder)
+        check_generation_safe(self.model)
         device = next(self.model.parameters()).device
         rows = [torch.tensor(p, dtype=torch.long, device=device) for p in prompt_ids]
         ids = pad(rows, padding_value=params.pad_token_id, padding_side="left")
@@ -283,18 +237,16 @@ class _DecodeState:
                  device: torch.device) -> None:  # fmt: skip
         self.key, self.prompt_len = key, prompt_len
         total = prompt_len + params.max_new_tokens
-        inner, nq, nkv, d = sampler.inner, sampler.n_heads, sampler.n_kv, sampler.head_dim
+        inner, plan = sampler.inner, sampler.plan
         dtype = inner.embed_tokens.weight.dtype
         if torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
-        self.k = [torch.zeros(batch, nkv, total, d, dtype=dtype, device=device) for _ in inner.layers]
-        self.v = [torch.zeros(batch, nkv, total, d, dtype=dtype, device=device) for _ in inner.layers]
+        shape = (batch, plan.n_kv, total, plan.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in inner.layers]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in inner.layers]
+        self.ropes = {k: rope_tables(inner.rotary_emb, k, total, plan, dtype, device) for k in set(plan.rope_keys)}
+        self.windows = set(plan.windows)
         positions = torch.arange(total, device=device)
-        cos, sin = inner.rotary_emb(torch.zeros((), dtype=torch.float32, device=device), positions[None])
-        sin = torch.cat([-sin[0, :, : d // 2], sin[0, :, d // 2 :]], -1)  # rotate_half(x) * sin = roll(x) * this
-        self.cos = torch.cat([cos[0, :, None].expand(total, nq + nkv, d), torch.ones(total, nkv, d, device=device)], 1)
-        self.sin = torch.cat([sin[:, None].expand(total, nq + nkv, d), torch.zeros(total, nkv, d, device=device)], 1)
-        self.cos, self.sin = self.cos.to(dtype), self.sin.to(dtype)
         self.arange = positions
         self.key_valid = torch.ones(batch, total, dtype=torch.bool, device=device)
         vocab = sampler.weights.head["head"].shape[1]
