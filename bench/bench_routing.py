@@ -30,8 +30,9 @@ from transformers import TrainerCallback
 
 from environments.stories import load_prompts
 from rewards.config import as_trl_reward
-from trl_ext.config import LLAMA_PROJECTIONS, ExtGRPOConfig
+from trl_ext.config import ExtGRPOConfig
 from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
+from trl_ext.models.arch import architecture_of, model_config
 from trl_ext.routing.trainer import build_dual_lora_model
 from trl_ext.trainer import ExtGRPOTrainer
 
@@ -79,7 +80,8 @@ def run(variant: str, rank: int, tokenizer, dataset, steps: int, k: int, out: st
         from peft import LoraConfig
 
         model = source
-        peft_config = LoraConfig(r=rank, lora_alpha=ALPHA, target_modules=list(LLAMA_PROJECTIONS), task_type="CAUSAL_LM")
+        targets = architecture_of(model_config("builtin")).resolve(None)  # every linear of a block, as train.py
+        peft_config = LoraConfig(r=rank, lora_alpha=ALPHA, task_type="CAUSAL_LM", **targets.peft_kwargs())
     else:
         torch.manual_seed(42)
         model, layout = build_dual_lora_model(source, cfg, ALPHA)

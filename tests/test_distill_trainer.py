@@ -221,9 +221,8 @@ def test_train_py_pure_distillation(builtin_path, tmp_path):
 def test_lora_teacher_is_the_base_model(builtin_path, tmp_path):
     from peft import LoraConfig
 
-    from trl_ext.config import LLAMA_PROJECTIONS
-
-    peft = LoraConfig(r=2, lora_alpha=4, target_modules=list(LLAMA_PROJECTIONS), task_type="CAUSAL_LM")
+    peft = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"], task_type="CAUSAL_LM")
     cfg = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=2,
                max_completion_length=6, beta=0.0, report_to=[], use_cpu=True, seed=0, teacher_context=CONTEXT,
                teacher_tau=1.0, student_tau=0.0)  # fmt: skip

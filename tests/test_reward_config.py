@@ -95,9 +95,13 @@ def test_shipped_config_evaluates_every_binding():
         "sentence_length_5_with_happy": 1 / 3 + 0.25 * 2,
         "sentence_length_10_smooth_with_happy": (0.3 + 0.5 + 0.7) / 3 + 0.25 * 2,
     }
-    assert cfg.reward_names() == sorted(expected_rewards)
+    assert cfg.reward_names() == sorted([*expected_rewards, "exact_match", "math_accuracy"])
     for name, value in expected_rewards.items():
         assert cfg.reward(name)([text, ""]) == pytest.approx([value, 0.0]), name
+    # the accuracy rewards read the `answer` column (TRL signature): 0.5 = 1/2, and a wrong answer
+    for name in ("exact_match", "math_accuracy"):
+        assert cfg.reward(name)(["<answer>0.5</answer>", "3"], answer=["0.5", "1/2"]) == [1.0, 0.0], name
+    assert cfg.reward("math_accuracy")(["The result is 1/2", "0.25"], answer=["0.5", "1/2"]) == [1.0, 0.0]
     # density 2/15 ~ 0.133 > 0.05; "happy" twice
     expected_detectors = {"happy": True, "happy_repeated": True, "happy_dense": True, "positive_words": True}
     assert cfg.detector_names() == sorted([*expected_detectors, "env_loophole"])
@@ -115,11 +119,12 @@ def test_shipped_config_evaluates_every_binding():
     "body, message",
     [
         ("rewards:\n  r: {fn: happy_bin}\n",
-         r"reward binding 'r': unknown reward function 'happy_bin'; registered: combined, happy_binary, "
-         r"happy_count, happy_exp, sentence_length, sentence_length_smooth$"),
+         r"reward binding 'r': unknown reward function 'happy_bin'; registered: combined, exact_match, happy_binary, "
+         r"happy_count, happy_exp, math_accuracy, sentence_length, sentence_length_smooth \(or an import path: "
+         r"'module:attr' or 'path/to/file.py:attr'\)$"),
         ("rewards:\n  r: {fn: happy_binary}\ndetectors:\n  d: {fn: happy_counter}\n",
          r"detector binding 'd': unknown detector 'happy_counter'; registered: contains_words, env_info_flag, "
-         r"happy_count, happy_density$"),
+         r"happy_count, happy_density \(or an import path: 'module:attr' or 'path/to/file.py:attr'\)$"),
         ("rewards:\n  r: {fn: sentence_length, params: {targt: 5}}\n",
          r"unknown param 'targt' for reward function 'sentence_length'; allowed: target$"),
         ("rewards:\n  r: {fn: happy_binary, params: {target: 5}}\n",
@@ -135,7 +140,7 @@ def test_shipped_config_evaluates_every_binding():
         ("rewards:\n  r: {fn: happy_binary}\n"
          "detectors:\n  d: {fn: happy_count, rh_detector: x, params: {threshold: 1}}\n",
          r"detector binding 'd': unknown key 'rh_detector'; allowed: fn, params$"),
-        ("rewards:\n  r: {params: {target: 5}}\n", r"reward binding 'r': missing key 'fn'$"),
+        ("rewards:\n  r: {params: {target: 5}}\n", r"reward binding 'r': missing key 'fn' \(or 'model': a reward model\)$"),
         ("rewards:\n  r: {fn: happy_binary, rh_detector: nope}\n",
          r"reward binding 'r': rh_detector 'nope' is not a bound detector; bound: \(none\)$"),
         ("rewards:\n  r: {fn: happy_binary, rh_detector: [a]}\n"

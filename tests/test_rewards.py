@@ -1,4 +1,5 @@
-"""Reward functions, RH detectors and the TRL adapter on hand-written texts (expected values derived by hand)."""
+"""Reward functions, RH detectors, the TRL adapter and the accuracy rewards on hand-written texts (expected values
+derived by hand)."""
 
 import functools
 import math
@@ -6,6 +7,7 @@ import math
 import pytest
 
 from rewards import as_trl_reward, completion_texts, sentence_lengths, words
+from rewards.accuracy import exact_match, final_answer, math_accuracy, normalize
 from rewards.detectors import DETECTORS, detect_contains_words, detect_happy_count, detect_happy_density
 from rewards.functions import (
     REWARD_FNS,
@@ -83,7 +85,8 @@ def test_combined_weights_and_caps():
 
 def test_registry_names():
     assert REWARD_FNS.names() == sorted(
-        ["happy_binary", "happy_count", "happy_exp", "sentence_length", "sentence_length_smooth", "combined"])
+        ["happy_binary", "happy_count", "happy_exp", "sentence_length", "sentence_length_smooth", "combined",
+         "exact_match", "math_accuracy"])
     assert DETECTORS.names() == ["contains_words", "env_info_flag", "happy_count", "happy_density"]
 
 
@@ -174,3 +177,44 @@ def test_as_trl_reward_checks_length():
     f = as_trl_reward("broken", lambda texts: [1.0])
     with pytest.raises(ValueError, match="'broken' returned 1 values for 2 completions"):
         f(prompts=["a", "b"], completions=["x", "y"], completion_ids=[[1], [2]])
+
+
+# ---------------------------------------------------------------------------------------------- accuracy
+def test_final_answer_and_normalize():
+    assert final_answer("so <answer> Paris. </answer> and <answer>Rome</answer>") == "Rome"  # the last tag
+    assert final_answer(r"thus \boxed{\frac{1}{2}} or \boxed{x^{2}}") == "x^{2}"  # nested braces
+    assert final_answer(r"<answer>a</answer> \boxed{b}") == "a"  # the tag first
+    assert final_answer(r"open \boxed{1") == r"open \boxed{1"  # unclosed: the whole text
+    assert normalize("  The  Eiffel\nTower. ") == "the eiffel tower"
+    assert normalize("3.") == "3" and normalize("3.5") == "3.5" and normalize("...") == ".."
+
+
+def test_exact_match():
+    completions = ["<answer> Paris. </answer>", r"It is \boxed{PARIS}", "paris is it", "", "Rome", 42]
+    answers = ["paris", "Paris", "Paris", "Paris", "Paris", "x"]
+    assert exact_match(completions[:5], answers[:5]) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert exact_match(["7", "7.0"], [7, 7]) == [1.0, 0.0]  # numbers compare as their text
+    chat = [[{"role": "assistant", "content": "<answer>Paris</answer>"}]]
+    assert exact_match(chat, ["paris"]) == [1.0]
+    with pytest.raises(ValueError, match=r"answer\[0\] must be a string or a number, got None"):
+        exact_match(["x"], [None])
+    with pytest.raises(ValueError, match="one value per completion"):
+        exact_match(["x", "y"], ["x"])
+
+
+def test_math_accuracy():
+    cases = [
+        (r"<answer>\frac{2}{4}</answer>", "0.5", 1.0),  # equal fractions, LaTeX vs decimal
+        ("The answer is 1/2", r"\frac{1}{2}", 1.0),  # plain vs LaTeX gold
+        (r"so $\boxed{\frac{3}{6}}$", "1/2", 1.0),
+        (r"\boxed{3}", "3", 1.0),
+        ("<answer>\\frac12</answer>", "0.5", 1.0),  # bare LaTeX inside the tag
+        ("The answer is 7", "8", 0.0),  # wrong
+        (r"\boxed{0.51}", "1/2", 0.0),
+        ("", "3", 0.0),  # no answer
+        ("no idea", "3", 0.0),
+    ]
+    got = math_accuracy([c for c, _, _ in cases], [a for _, a, _ in cases])
+    assert got == [v for _, _, v in cases]
+    with pytest.raises(ValueError, match=r"answer\[0\] 'banana' does not parse as math"):
+        math_accuracy(["1"], ["banana"])

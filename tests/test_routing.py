@@ -10,13 +10,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_ext.registry import ConfigError
 from trl_ext.routing.adapters import (
-    ABLATION_SCALES, ALL_LLAMA_PROJ, DualLoRALinear, adapters_disabled, apply_dual_lora, dual_lora_modules, forget_params, retain_params, scales, set_scales,
+    ABLATION_SCALES, DualLoRALinear, adapters_disabled, apply_dual_lora, dual_lora_modules, forget_params, retain_params, scales, set_scales,
 )
 from trl_ext.routing.layout import LAYOUT_FILENAME, DualLoRALayout, load_layout, save_layout
 from trl_ext.routing.checkpoint import apply_layout
 from trl_ext.routing.step import routing_mask
 
 D = torch.float64
+ALL_LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # a Llama block's linears
 
 
 def hand_layer() -> DualLoRALinear:
@@ -131,6 +132,55 @@ def test_matches_peft_lora_with_forget_rank_zero():
     assert (outs[0] - outs[1]).abs().max() <= 1e-12
     for g_ours, g_peft in zip(*grads):
         assert (g_ours - g_peft).abs().max() <= 1e-12
+
+
+def test_conv1d_matches_peft_lora_fan_in_fan_out():
+    """GPT-2's Conv1D (weight [in, out], y = x W + b) wrapped: output, gradients and the merged weight in Conv1D's
+    layout equal PEFT LoRA with fan_in_fan_out=True (PEFT's merge writes W + (s B A)^T into the Conv1D)."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers.pytorch_utils import Conv1D
+
+    from trl_ext.generation.weights import affine_of
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = Conv1D(6, 8)  # nf = 6 outputs, nx = 8 inputs: weight (8, 6)
+
+    torch.manual_seed(0)
+    base = Tiny().to(D)
+    with torch.no_grad():
+        base.proj.weight.normal_()
+        base.proj.bias.normal_()
+    ours = DualLoRALinear(copy.deepcopy(base.proj), retain_rank=4, forget_rank=0, alpha=8)
+    assert (ours.in_features, ours.out_features, ours.retain_A.shape, ours.retain_B.shape) == (8, 6, (4, 8), (6, 4))
+    peft_model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["proj"],
+                                                    fan_in_fan_out=True), base)
+    lora = peft_model.proj
+    with torch.no_grad():
+        lora.lora_B["default"].weight.normal_()
+        ours.retain_A.copy_(lora.lora_A["default"].weight)
+        ours.retain_B.copy_(lora.lora_B["default"].weight)
+    x = torch.randn(3, 5, 8, dtype=D)
+    w = torch.randn(3, 5, 6, dtype=D)
+    outs, grads = [], []
+    for layer, A, B in ((ours, ours.retain_A, ours.retain_B),
+                        (lora, lora.lora_A["default"].weight, lora.lora_B["default"].weight)):
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        outs.append(y)
+        grads.append(torch.autograd.grad((y * w).sum(), (xi, A, B)))
+    assert (outs[0] - outs[1]).abs().max() <= 1e-12
+    for g_ours, g_peft in zip(*grads):
+        assert (g_ours - g_peft).abs().max() <= 1e-12
+    merged = ours.weight
+    assert merged.shape == (8, 6)  # Conv1D's own layout
+    assert (x[0] @ merged + ours.bias - ours(x[0])).abs().max() <= 1e-12  # y = x W_merged + b
+    lora.merge()
+    assert (merged - lora.base_layer.weight).abs().max() <= 1e-12
+    # generation.weights.affine_of reads the wrapped layer as the affine map x -> x W^T + b, W^T [in, out]
+    w_t, b = affine_of(ours, 8, merged)
+    assert (w_t - merged).abs().max() <= 1e-12 and (b - base.proj.bias).abs().max() <= 1e-12
 
 
 def test_autocast_bf16_keeps_float32_grads():

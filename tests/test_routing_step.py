@@ -1,8 +1,10 @@
-"""Routed gradient steps and routing labels (trl_ext/routing/step.py), float64 on a tiny Llama."""
+"""Routed gradient steps and routing labels (trl_ext/routing/step.py), float64 on a tiny Llama and a tiny GPT-2
+(transformers' Conv1D layers, weight [in, out])."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.pytorch_utils import Conv1D
 
 from trl_ext.registry import ConfigError
 from trl_ext.routing.adapters import apply_dual_lora, forget_params, retain_params
@@ -20,11 +22,20 @@ PATTERNS = {  # is_bad per sample
 }
 
 
-def make_model(adapter="lora", **ckpt) -> LlamaForCausalLM:
+ADAPTERS = ["lora", "mlp", "gpt2_lora", "gpt2_mlp"]  # gpt2_*: the adapters of a GPT-2 (Conv1D) model
+
+
+def make_model(adapter="lora", **ckpt) -> LlamaForCausalLM | GPT2LMHeadModel:
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=32, max_position_embeddings=32, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).to(D)
+    if adapter.startswith("gpt2_"):
+        cfg = GPT2Config(n_embd=16, n_inner=32, n_layer=2, n_head=2, vocab_size=32, n_positions=32, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(cfg).to(D)
+        adapter = adapter.removeprefix("gpt2_")
+    else:
+        cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, vocab_size=32, max_position_embeddings=32, tie_word_embeddings=True)
+        model = LlamaForCausalLM(cfg).to(D)
     if adapter == "mlp":
         from trl_ext.routing.mlp import apply_dual_mlp
 
@@ -114,7 +125,7 @@ def test_two_pass_shared_equals_full_batch_gradient(pattern):
     assert abs(loss.item() - make_loss_fn(model)(make_batch()).item()) <= 1e-12
 
 
-@pytest.mark.parametrize("adapter", ["lora", "mlp"])
+@pytest.mark.parametrize("adapter", ADAPTERS)
 @pytest.mark.parametrize("mode", ["shared", "exclusive"])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_single_pass_equals_two_pass(mode, pattern, adapter):
@@ -124,6 +135,19 @@ def test_single_pass_equals_two_pass(mode, pattern, adapter):
     assert max_diff(r1, r2) <= 1e-10 and max_diff(f1, f2) <= 1e-10
     assert max_diff(r1, retain_def) <= 1e-10 and max_diff(f1, forget_def) <= 1e-10
     assert abs(loss1.item() - loss2.item()) <= 1e-12
+
+
+def test_gpt2_adapters_wrap_its_conv1d_layers():
+    from trl_ext.routing.adapters import DualLoRALinear
+
+    model = make_model("gpt2_lora")
+    wrapped = {n for n, m in model.named_modules() if isinstance(m, DualLoRALinear)}
+    blocks = {f"transformer.h.{i}.{p}" for i in range(2) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                    "mlp.c_proj")}
+    assert wrapped == blocks | {"lm_head"}
+    assert all(isinstance(model.get_submodule(n).base_layer, Conv1D) for n in blocks)
+    assert model.transformer.h[0].attn.c_attn.retain_A.shape == (2, 16)  # A: (r, in); c_attn is 16 -> 48
+    assert model.transformer.h[0].attn.c_attn.retain_B.shape == (48, 2)
 
 
 @pytest.mark.parametrize("step", [two_pass_backward, single_pass_backward])

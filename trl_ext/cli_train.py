@@ -63,6 +63,7 @@ def build_plan(argv: list[str]) -> Plan:
     reward_config = load_reward_config(config_path)
     for name in [run.reward] * bool(run.reward) + run.eval_reward_names:
         reward_config.reward(name)
+    check_reward_inputs(run, cfg, reward_config)
     check_run_routing(run, cfg, reward_config)  # story and --env runs alike (an env detector needs --env)
     check_run_distill(run, cfg)
     base_args = ["--reward", run.reward] if run.reward else ["--env", cfg.env]
@@ -73,6 +74,18 @@ def build_plan(argv: list[str]) -> Plan:
     cfg.run_name = name
     cfg.output_dir = str(run_dir)
     return Plan(run=run, cfg=cfg, reward_config=reward_config, run_dir=run_dir, argv=list(argv))
+
+
+def check_reward_inputs(run: RunArgs, cfg: ExtGRPOConfig, reward_config) -> None:
+    """The rewards' dataset columns against the prompts' (the story prompts have none but "prompt"); a reward that
+    reads more than texts cannot score --eval_baseline's text-only samples."""
+    if cfg.env:
+        return
+    names = [run.reward, *run.eval_reward_names, *[cfg.base_reward] * (cfg.base_reward is not None)]
+    reward_config.check_columns(names, (), "the story prompts")
+    if cfg.eval_baseline and reward_config.reward(run.reward).needs_context():
+        raise ConfigError(f"--eval_baseline scores completion texts alone: reward binding {run.reward!r} reads "
+                          "prompts or dataset columns (a TRL-signature function or a reward model)")  # fmt: skip
 
 
 def check_env_run(run: RunArgs, cfg: ExtGRPOConfig) -> None:
@@ -143,7 +156,7 @@ def run_training(plan: Plan) -> int:
     from transformers import set_seed
 
     from environments.stories import load_prompts
-    from rewards.config import as_trl_reward
+    from rewards.config import trl_reward_args
     from trl_ext.routing.trainer import routing_setup
     from trl_ext.runlog import write_run_config
     from trl_ext.runs.faults import NumericFault
@@ -165,12 +178,13 @@ def run_training(plan: Plan) -> int:
     if cfg.env:
         from trl_ext.env.episodes import env_dataset, env_reward
 
-        train_dataset, reward_funcs = env_dataset(cfg.build_env(), run.num_prompts, tokenizer), [env_reward]
+        train_dataset = env_dataset(cfg.build_env(), run.num_prompts, tokenizer)
+        reward_args = {"reward_funcs": [env_reward]}
     else:
         train_dataset = load_prompts(
             prompt_source(run), tokenizer, run.prompt_length, "train", run.num_prompts, cfg.seed
         )
-        reward_funcs = [as_trl_reward(run.reward, plan.reward_config.reward(run.reward))]
+        reward_args = trl_reward_args(run.reward, plan.reward_config.reward(run.reward))  # a reward model: its path
     peft_config = None
     if run.lora_rank:
         from peft import LoraConfig
@@ -182,7 +196,7 @@ def run_training(plan: Plan) -> int:
     model, routing_kwargs = routing_setup(run, cfg, rc, model_path, tokenizer, prompt_source(run))
     trainer = ExtGRPOTrainer(
         model=model,
-        reward_funcs=reward_funcs,
+        **reward_args,
         args=cfg,
         train_dataset=train_dataset,
         processing_class=tokenizer,

@@ -20,7 +20,7 @@ from trl_ext.distill.args import DistillArgs
 from trl_ext.env.args import EnvArgs
 from trl_ext.estimator import check_estimator_flags
 from trl_ext.generation.trainer import GenerationArgs
-from trl_ext.models import LLAMA_PROJECTIONS  # noqa: F401  (re-exported: train.py's LoRA targets)
+from trl_ext.models.arch import LoraTargets
 from trl_ext.offpolicy.args import OffPolicyArgs
 from trl_ext.registry import ConfigError
 from trl_ext.routing.args import RoutingArgs
@@ -58,7 +58,15 @@ class RunArgs:
         default="",
         metadata={"help": "Comma-separated reward bindings logged on every logging step (not optimised)."},
     )
-    lora_rank: int = field(default=0, metadata={"help": "PEFT LoRA rank on all 7 Llama projections; 0 = full fine-tune."})
+    lora_rank: int = field(default=0, metadata={
+        "help": "PEFT LoRA rank on --lora_target_modules (unset: every linear layer of the decoder blocks); 0 = full "
+                "fine-tune."})
+    lora_target_modules: str | None = field(default=None, metadata={
+        "help": "Comma-separated module names adapted by --lora_rank (PEFT LoRA) and by dual LoRA, matched as PEFT "
+                "matches target_modules (a module path equal to NAME or ending in .NAME). Unset: every linear layer "
+                "of the decoder blocks (Llama: q/k/v/o/gate/up/down_proj; Phi-3: qkv_proj, o_proj, gate_up_proj, "
+                "down_proj; GPT-2: c_attn, attn.c_proj, c_fc, mlp.c_proj). A name the model lacks is an error that "
+                "lists the model's names."})
     lora_alpha: float | None = field(default=None, metadata={
         "help": f"LoRA alpha (scaling alpha/rank). Unset: {DEFAULT_LORA_ALPHA:g} for --lora_rank and explicit "
         "--retain_rank/--forget_rank; a --lora_config preset's own alpha (alpha = rank, as small-rl)."})
@@ -66,6 +74,8 @@ class RunArgs:
     wandb_project: str = field(default="trl-ext", metadata={"help": "wandb project name."})
     rebuild_builtin: bool = field(default=False, metadata={"help": "Rebuild the builtin model before training."})
     lora_alpha_explicit: bool = field(default=False, init=False, repr=False)  # set by __post_init__
+    # Set by train.py's build_plan from --model's structure (routing.args.check_run_adapters); None: no LoRA.
+    lora_targets: LoraTargets | None = field(default=None, init=False, repr=False)
     overwrite_run: bool = field(default=False, metadata={
         "help": "Start over in a run directory that already holds a run: the old directory is renamed to "
                 "{run_dir}.old-{timestamp} (nothing is deleted). Without it such a start is an error."})
@@ -79,12 +89,21 @@ class RunArgs:
             raise ConfigError(f"--num_prompts must be >= 1, got {self.num_prompts}")
         if self.lora_rank < 0:
             raise ConfigError(f"--lora_rank must be >= 0, got {self.lora_rank}")
+        if self.lora_target_modules is not None and not all(self.lora_target_names):
+            raise ConfigError(f"--lora_target_modules must be comma-separated names, got {self.lora_target_modules!r}")
         # Unset resolves here, so consumers read a number; whether it was given decides a preset's alpha.
         self.lora_alpha_explicit = self.lora_alpha is not None
         if self.lora_alpha is None:
             self.lora_alpha = DEFAULT_LORA_ALPHA
         if self.lora_alpha <= 0:
             raise ConfigError(f"--lora_alpha must be > 0, got {self.lora_alpha}")
+
+    @property
+    def lora_target_names(self) -> list[str] | None:
+        """--lora_target_modules as a list (None: unset, every linear layer of the decoder blocks)."""
+        if self.lora_target_modules is None:
+            return None
+        return [n.strip() for n in self.lora_target_modules.split(",")]
 
     @property
     def eval_reward_names(self) -> list[str]:

@@ -192,6 +192,7 @@ def resolve(args: EvalArgs) -> dict:
     main_reward = args.reward or run.get("reward")
     names = (n.strip() for n in [main_reward or "", *args.eval_rewards.split(",")])
     s["rewards"] = {n: rc.reward(n) for n in dict.fromkeys(n for n in names if n)}
+    rc.check_columns(list(s["rewards"]), (), "the held-out story prompts")  # rewards get prompts=, no other column
     det = args.rh_detector or cfg.get("rh_detector") or (rc.default_detector(main_reward) if main_reward else None)
     s["detector"] = (det, rc.detector(det)) if det else None
     s["routing"] = kind == "dual_lora" and not args.no_routing_eval
@@ -238,6 +239,7 @@ def evaluate(args: EvalArgs, s: dict) -> dict:
     import torch
 
     from environments.stories import load_prompts
+    from rewards.bound import on_prompts
     from trl_ext.models import load_tokenizer, prepare_tokenizer
     from trl_ext.routing.evaluation import evaluate_modes, sample_completions, score_completions
 
@@ -249,18 +251,19 @@ def evaluate(args: EvalArgs, s: dict) -> dict:
                                 args.seed)["prompt"])  # fmt: skip
     gen = generation_config(tokenizer, s["generation"])
     detector = s["detector"][1] if s["detector"] else None
+    rewards = {n: on_prompts(fn, prompts) for n, fn in s["rewards"].items()}  # sampled one per prompt, in order
 
     def sample() -> list[str]:
         return sample_completions(model, tokenizer, prompts, gen, args.seed, GENERATION_BATCH)
 
     def summarize(texts: list[str]) -> dict:
-        scores = score_completions(texts, s["rewards"], detector)
+        scores = score_completions(texts, rewards, detector)
         return {"texts": texts, "diversity": diversity_report(texts, args.min_unique, args.max_jaccard),
                 "scores": {k: v for k, v in scores.items() if k.startswith("reward/") or k == "rh_rate"}}  # fmt: skip
 
     modes = evaluate_modes(model, sample, summarize) if s["routing"] else None
     main = modes["both"] if modes else summarize(sample())
-    per_sample = {n: fn(main["texts"][: args.n_print]) for n, fn in s["rewards"].items()}
+    per_sample = {n: fn(main["texts"][: args.n_print]) for n, fn in rewards.items()}
     state = latest_trainer_state(s["path"])
     return {
         "model_path": str(s["path"]), "kind": s["kind"], "layout": layout, "n_samples": args.n_samples,

@@ -117,7 +117,7 @@ def run_sft(plan) -> int:
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    from trl_ext.models import LLAMA_PROJECTIONS, model_source, load_tokenizer, prepare_tokenizer
+    from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
     from trl_ext.runlog import write_run_config
     from trl_ext.runs.mixin import CheckpointMixin
     from trl_ext.runs.rundir import open_run_dir
@@ -141,8 +141,8 @@ def run_sft(plan) -> int:
     if run.lora_rank:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=run.lora_rank, lora_alpha=run.lora_alpha, target_modules=list(LLAMA_PROJECTIONS),
-                                 task_type="CAUSAL_LM")  # fmt: skip
+        peft_config = LoraConfig(r=run.lora_rank, lora_alpha=run.lora_alpha, task_type="CAUSAL_LM",
+                                 **run.lora_targets.peft_kwargs())  # targets: build_plan (check_run_adapters)
     sft_cfg = SFTConfig(
         output_dir=str(plan.run_dir), num_train_epochs=cfg.sft_epochs, learning_rate=cfg.learning_rate,
         per_device_train_batch_size=cfg.per_device_train_batch_size, logging_steps=cfg.logging_steps,

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
+from rewards.bound import score, trl_context
 from trl_ext.batch import BatchFeatures, check_batch, loss_mask
 from trl_ext.distill.trainer import DistillMixin
 from trl_ext.env.trainer import EnvMixin
@@ -51,9 +52,21 @@ TextReward = Callable[[list[str]], list[float]]
 
 class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin, EnvMixin, GenerationMixin,
                      GRPOTrainer):
-    def __init__(self, *args, eval_reward_funcs: dict[str, TextReward] | None = None, **kwargs):
+    def __init__(self, *args, eval_reward_funcs: dict[str, TextReward] | None = None,
+                 reward_names: list[str] | None = None, **kwargs):
+        """GRPOTrainer's arguments, the feature mixins' keyword arguments (routing: ``rh_detector``, ...),
+        ``eval_reward_funcs`` (name -> reward, logged, not optimised; a ``rewards.bound.BoundReward`` that reads more
+        than texts gets the batch's TRL reward arguments) and ``reward_names`` (the names logged for
+        ``reward_funcs``, instead of TRL's)."""
         super().__init__(*args, **kwargs)
+        if reward_names is not None:  # config binding names (TRL names a reward model by its checkpoint directory)
+            if len(reward_names) != len(self.reward_func_names):
+                raise ValueError(f"{len(reward_names)} reward_names for {len(self.reward_func_names)} reward functions")
+            self.reward_func_names = list(reward_names)
         self.eval_reward_funcs = dict(eval_reward_funcs or {})
+        self.reward_context: dict[str, Any] = {}
+        """TRL's reward keyword arguments of the current batch (`rewards.bound.trl_context`), for the eval rewards
+        and routing's base reward."""
         self.zero_signal = ZeroSignalMonitor(self.args.zero_signal_patience)
         self.rollout_columns: dict[str, list] = {}
         """Per-sample values that feature mixins add for the saved rollouts (cleared for every batch)."""
@@ -88,6 +101,7 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """Stage 2: rewards (see the module docstring)."""
         step = self.state.global_step + 1
+        self.reward_context = trl_context(inputs, prompts, completions, completion_ids_list, self.state)
         if self.distill_skips_rewards:  # pure distillation: no reward function is called
             rewards = torch.zeros(len(prompts), len(self.reward_funcs), device=self.accelerator.device)
             self._rewards_per_func, self._local_rewards = rewards, rewards
@@ -148,7 +162,7 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
         if self.eval_reward_funcs:
             texts = self.decode_completions(batch)
             for name, fn in self.eval_reward_funcs.items():
-                eval_values[name] = fn(texts)
+                eval_values[name] = score(fn, texts, self.reward_context)
                 values = torch.tensor(eval_values[name], dtype=torch.float32)
                 self._metrics[mode][f"eval_rewards/{name}"].append(values.mean().item())
         if self._rollout_features is not None and mode == "train":

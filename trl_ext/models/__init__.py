@@ -18,9 +18,6 @@ from trl_ext.models.builtin_env import BUILTIN_ENV, ensure_builtin_env
 from trl_ext.models.builtin_mood import BUILTIN_MOOD, ensure_builtin_mood
 from trl_ext.registry import ConfigError
 
-LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The 7 projections of a Llama block: PEFT LoRA targets (and dual LoRA's, see routing)."""
-
 # --model name -> the function that returns its built directory (building it on first use)
 BUILTIN_MODELS = {BUILTIN: ensure_builtin, BUILTIN_ENV: ensure_builtin_env, BUILTIN_MOOD: ensure_builtin_mood}
 STORY_MODELS = (BUILTIN, BUILTIN_MOOD)  # builtin models trained on the builtin stories (their prompts' source)

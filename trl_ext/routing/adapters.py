@@ -1,10 +1,12 @@
 """Dual LoRA adapters for gradient routing (Cloud et al. 2024, "Gradient Routing: Masking Gradients to
 Localize Computation in Neural Networks", arXiv:2410.04332; RL port after small-rl's DualLoRALinear).
 
-Each targeted ``nn.Linear`` becomes a :class:`DualLoRALinear`::
+Each targeted linear layer (``nn.Linear``, or transformers' ``Conv1D`` as in GPT-2; ``models.arch`` finds them in
+any family's decoder blocks) becomes a :class:`DualLoRALinear`::
 
-    y = W x + b + retain_scale * s_r * B_r A_r x + forget_scale * s_f * B_f A_f x,    s = alpha / rank
+    y = base(x) + retain_scale * s_r * B_r A_r x + forget_scale * s_f * B_f A_f x,    s = alpha / rank
 
+where base(x) = W x + b (``nn.Linear``, W [out, in]) or x W + b (``Conv1D``, W [in, out]; PEFT's fan_in_fan_out)
 with LoRA's initialisation (Hu et al. 2021, as PEFT: A Kaiming-uniform with a = sqrt(5), B = 0). Rank 0
 means the side is absent. The base model is frozen. ``retain_scale``/``forget_scale`` ablate the sides
 at inference (``scales(model, 1, 0)`` = retain_only); ``adapters_disabled(model)`` is the base model,
@@ -23,7 +25,8 @@ adapter below it once B != 0. Per-sample routing assumes samples do not interact
 for decoder LMs; not for batch norm, nor for an MoE load-balancing loss).
 
 TRL 1.16 computes training log-probs with a fused LM head that reads ``lm_head.weight`` directly and
-never calls ``lm_head.forward``. ``DualLoRALinear.weight`` is therefore the effective (merged) weight, so
+never calls ``lm_head.forward``. ``DualLoRALinear.weight`` is therefore the effective (merged) weight in the wrapped
+layer's own layout (W + s B A for nn.Linear, its transpose added for Conv1D, as PEFT's ``transpose``), so
 an lm_head adapter is trained through that path too; a merged weight cannot carry a mixed per-sample
 mask, so reading it under one raises (use the two-pass step, or an unfused head, for lm_head adapters).
 """
@@ -38,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trl_ext.models.arch import LINEAR_TYPES, architecture, block_linears, decoder_blocks, matches
 from trl_ext.routing.layout import DualLoRALayout
 
-ALL_LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Inference ablations of the routing eval: name -> (retain_scale, forget_scale).
 ABLATION_SCALES = {"both": (1.0, 1.0), "retain_only": (1.0, 0.0), "forget_only": (0.0, 1.0)}
 _SIDES = ("retain", "forget")
@@ -107,22 +110,23 @@ class DualAdapter(nn.Module):
 
 
 class DualLoRALinear(DualAdapter):
-    """``nn.Linear`` plus a retain and a forget LoRA adapter (see the module docstring)."""
+    """``nn.Linear`` (or ``Conv1D``) plus a retain and a forget LoRA adapter (see the module docstring)."""
 
     def adapter_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(f"{side}_{m}", getattr(self, f"{side}_{m}")) for side in _SIDES for m in "AB"
                 if getattr(self, f"{side}_{m}") is not None]
 
-    def __init__(self, base_layer: nn.Linear, retain_rank: int, forget_rank: int, alpha: float):
+    def __init__(self, base_layer: nn.Module, retain_rank: int, forget_rank: int, alpha: float):
         super().__init__()
-        if not isinstance(base_layer, nn.Linear):
-            raise TypeError(f"DualLoRALinear wraps nn.Linear, got {type(base_layer).__name__}")
+        if not isinstance(base_layer, LINEAR_TYPES):
+            raise TypeError(f"DualLoRALinear wraps nn.Linear or Conv1D, got {type(base_layer).__name__}")
         if not alpha > 0:
             raise ValueError(f"lora alpha must be > 0, got {alpha!r}")
         self.base_layer = base_layer
         base_layer.requires_grad_(False)
-        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         w = base_layer.weight
+        self.fan_in_fan_out = not isinstance(base_layer, nn.Linear)  # Conv1D: weight [in, out]
+        self.in_features, self.out_features = w.shape[::-1] if not self.fan_in_fan_out else w.shape
         # Half-precision bases get float32 adapters (as PEFT's autocast_adapter_dtype); others keep theirs.
         dtype = torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
         self.ranks = {"retain": retain_rank, "forget": forget_rank}
@@ -168,7 +172,8 @@ class DualLoRALinear(DualAdapter):
 
     @property
     def weight(self) -> torch.Tensor:
-        """Effective weight ``W + sum_side scale * s * B A``, for code that reads the weight directly."""
+        """Effective weight ``W + sum_side scale * s * B A`` in the wrapped layer's layout (the delta transposed
+        for Conv1D), for code that reads the weight directly."""
         w = self.base_layer.weight
         delta = None
         for A, B, s, mask in self._branches():
@@ -182,7 +187,9 @@ class DualLoRALinear(DualAdapter):
                 A, B = A * c + A.detach() * (1 - c), B * c + B.detach() * (1 - c)
             d = (B @ A) * s
             delta = d if delta is None else delta + d
-        return w if delta is None else w + delta.to(w.dtype)
+        if delta is None:
+            return w
+        return w + (delta.t() if self.fan_in_fan_out else delta).to(w.dtype)
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -194,10 +201,9 @@ class DualLoRALinear(DualAdapter):
 
 
 def decoder_layers(model: nn.Module, layer_start: int, layer_end: int | None, layer_stride: int):
-    """(``model.model.layers``, the checked end of the adapted range ``layer_start:end:layer_stride``)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no model.layers (a Llama-style decoder is expected)")
+    """(the model's decoder blocks, wherever its family keeps them (``models.arch.decoder_blocks``), the checked end
+    of the adapted range ``layer_start:end:layer_stride``)."""
+    _, layers = decoder_blocks(model)
     n = len(layers)
     end = n if layer_end is None else layer_end
     if not (0 <= layer_start < end <= n) or layer_stride < 1:
@@ -213,24 +219,29 @@ def apply_dual_lora(
     layer_start: int = 0,
     layer_end: int | None = None,
     layer_stride: int = 1,
-    targets: tuple[str, ...] = ALL_LLAMA_PROJ,
+    targets: tuple[str, ...] | None = None,
     include_lm_head: bool = False,
 ) -> DualLoRALayout:
-    """Freeze ``model`` and wrap ``targets`` of ``model.model.layers[layer_start:layer_end:layer_stride]``
-    (and, optionally, the LM head: a tied base weight stays shared with the embeddings and frozen)."""
-    layers, end = decoder_layers(model, layer_start, layer_end, layer_stride)
-    if not targets or len(set(targets)) != len(targets):
-        raise ValueError(f"targets must be non-empty and distinct, got {targets}")
+    """Freeze ``model`` and wrap the linear layers ``targets`` select (PEFT's name rule, ``models.arch.matches``;
+    None = every linear of a block, ``Architecture.default_targets``) in the decoder blocks
+    ``layer_start:layer_end:layer_stride`` (and, optionally, the LM head: a tied base weight stays shared with the
+    embeddings and frozen). Every name must select at least one linear layer of every adapted block."""
     if any(isinstance(m, DualAdapter) for m in model.modules()):
         raise ValueError("the model already has dual adapters")
+    layers, end = decoder_layers(model, layer_start, layer_end, layer_stride)
+    targets = architecture(model).default_targets if targets is None else tuple(targets)
+    if not targets or len(set(targets)) != len(targets):
+        raise ValueError(f"targets must be non-empty and distinct, got {targets}")
     sites = []  # (parent, attribute); all found before anything is changed
     for i in range(layer_start, end, layer_stride):
+        linears = block_linears(layers[i])
         for target in targets:
-            hits = [(name, m) for name, m in layers[i].named_modules() if name.split(".")[-1] == target]
-            if len(hits) != 1 or not isinstance(hits[0][1], nn.Linear):
-                raise ValueError(f"layer {i}: expected one nn.Linear named {target!r}, found {len(hits)}")
-            parent_name, _, child = hits[0][0].rpartition(".")
-            sites.append((layers[i].get_submodule(parent_name), child))
+            if not any(matches(target, path) for path in linears):
+                raise ValueError(f"layer {i}: no linear layer matches {target!r}; linear layers: {', '.join(linears)}")
+        for path in linears:
+            if any(matches(t, path) for t in targets):
+                parent_name, _, child = path.rpartition(".")
+                sites.append((layers[i].get_submodule(parent_name), child))
     if include_lm_head and not isinstance(model.get_output_embeddings(), nn.Linear):
         raise ValueError(f"the output layer is {type(model.get_output_embeddings()).__name__}, not nn.Linear")
     model.requires_grad_(False)

@@ -29,8 +29,9 @@ class RoutingArgs:
         "help": "Dual LoRA preset naming (retain, forget) ranks and alpha, as small-rl: r8 = (8, 8), alpha 8; "
                 "r32f4 = (32, 4), alpha 32 (scaling 1 and 8). An explicit --lora_alpha overrides the preset's."})
     adapter_type: str = field(default="lora", metadata={
-        "help": "'lora': dual LoRA on the 7 projections; 'mlp': a dual mini-SwiGLU adapter beside each layer's MLP "
-                "(small-rl DualMLPAdapter; --mlp_config or --retain_rank/--forget_rank give the neurons)."})
+        "help": "'lora': dual LoRA on --lora_target_modules (unset: every linear layer of the decoder blocks); "
+                "'mlp': a dual mini-SwiGLU adapter beside each layer's MLP (small-rl DualMLPAdapter; --mlp_config or "
+                "--retain_rank/--forget_rank give the neurons)."})
     mlp_config: str | None = field(default=None, metadata={
         "help": "MLP adapter preset naming (retain, forget) neurons, as small-rl: m16 = (16, 16), m24f8 = (24, 8)."})
     retain_rank: int | None = field(default=None, metadata={"help": "Retain adapter rank (with --forget_rank)."})
@@ -267,6 +268,33 @@ def check_run_routing(run, cfg, reward_config) -> str | None:
                           "no rh_detector; "
                           f"pass --rh_detector (bound: {', '.join(reward_config.detector_names()) or '(none)'})")
     return name
+
+
+def check_run_adapters(run, cfg) -> None:
+    """Check the adapters against ``--model``'s structure, read from its config alone (``models.arch``, meta device:
+    nothing loaded) and set ``run.lora_targets`` (PEFT LoRA and dual LoRA; None without LoRA). ConfigError for a
+    --lora_target_modules name the model lacks (listing its names), a dual adapter layer range past its blocks, or
+    MLP adapters on a family whose blocks have no ``.mlp``."""
+    from trl_ext.models.arch import architecture_of, model_config
+
+    lora = run.lora_rank > 0 or (cfg.dual_lora and cfg.adapter_type == "lora")
+    if run.lora_target_modules is not None and not lora:
+        raise ConfigError("--lora_target_modules applies only with --lora_rank or a dual LoRA config "
+                          "(--adapter_type lora)")
+    run.lora_targets = None
+    if not (lora or cfg.dual_lora):
+        return
+    arch = architecture_of(model_config(run.model, cfg.trust_remote_code))
+    if cfg.dual_lora:
+        end = arch.num_blocks if cfg.lora_layer_end is None else cfg.lora_layer_end
+        if cfg.lora_layer_start >= arch.num_blocks or end > arch.num_blocks:
+            raise ConfigError(f"dual adapter layers {cfg.lora_layer_start}:{end}:{cfg.lora_layer_stride} exceed "
+                              f"the {arch.num_blocks} decoder blocks of --model {run.model} ({arch.model_type})")
+        if cfg.adapter_type == "mlp" and not arch.has_mlp:
+            raise ConfigError(f"--adapter_type mlp wraps each decoder block's .mlp: {arch.model_type} blocks have "
+                              "none; use --adapter_type lora")
+    if lora:
+        run.lora_targets = arch.resolve(run.lora_target_names)
 
 
 def dual_lora_tag(cfg) -> str | None:

@@ -26,6 +26,27 @@ def apply_layout(model: nn.Module, layout: DualLoRALayout) -> DualLoRALayout:
                            layout.layer_end, layout.layer_stride, layout.targets, layout.include_lm_head)
 
 
+def saved_to_model_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` as ``save_pretrained`` wrote it, keyed by ``model``'s parameter names: transformers 5 saves some
+    families under their hub names (GPT-NeoX's ``lm_head`` as ``embed_out``: the reverse of its checkpoint conversion
+    mapping) and renames them back in ``from_pretrained`` (``core_model_loading.rename_source_key``), as here. A key
+    that needs a tensor conversion (not a renaming) raises."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    out = {}
+    for key, tensor in state.items():
+        renamed, converter = rename_source_key(key, renamings, converters)
+        if converter is not None:
+            raise ValueError(f"checkpoint key {key!r} needs transformers' weight conversion {converter!r}: dual "
+                             "adapter checkpoints of this family cannot be reloaded")
+        out[renamed] = tensor
+    return out
+
+
 def base_fingerprint(model: nn.Module) -> list[float]:
     """(sum, sum of squares) over the frozen base weights in float64: tells a changed base model apart."""
     adapters = {id(p) for m in model.modules() if isinstance(m, DualAdapter) for _, p in m.adapter_named_parameters()}
@@ -78,6 +99,7 @@ def load_dual_lora_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype = torch.f
         state = {}
         for name in files:
             state.update(load_file(ckpt / name))
+        state = saved_to_model_keys(model, state)
         missing, unexpected = model.load_state_dict(state, strict=False)
         params = dict(model.named_parameters(remove_duplicate=False))
         aliases = {k for k in missing if any(params.get(k) is params.get(j) for j in state if j in params)}

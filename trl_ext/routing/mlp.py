@@ -91,12 +91,14 @@ def apply_dual_mlp(
     model: nn.Module, retain_neurons: int, forget_neurons: int, layer_start: int = 0, layer_end: int | None = None,
     layer_stride: int = 1,
 ) -> DualLoRALayout:
-    """Freeze ``model`` and wrap ``model.model.layers[i].mlp`` for i in range(layer_start, layer_end, stride)."""
+    """Freeze ``model`` and wrap the ``.mlp`` of decoder block i (any family, ``models.arch.decoder_blocks``) for i in
+    range(layer_start, layer_end, stride). The adapter reads the MLP's input, of width ``config.hidden_size``."""
     layers, end = decoder_layers(model, layer_start, layer_end, layer_stride)
     if any(isinstance(m, DualAdapter) for m in model.modules()):
         raise ValueError("the model already has dual adapters")
     if any(not isinstance(getattr(layers[i], "mlp", None), nn.Module) for i in range(layer_start, end, layer_stride)):
-        raise ValueError("every adapted decoder layer needs an .mlp module")
+        raise ValueError(f"MLP adapters need an .mlp module in every adapted decoder block; "
+                         f"{model.config.model_type} blocks have none")
     model.requires_grad_(False)
     hidden = model.config.hidden_size
     for i in range(layer_start, end, layer_stride):

@@ -34,6 +34,7 @@ from torch import nn
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
+from rewards.bound import on_prompts, score
 from rewards.detectors import needs_trajectories
 from trl_ext.estimator import RoutingArm, weighted_rewards
 from trl_ext.routing.adapters import DualAdapter, adapters_disabled, apply_dual_lora, forget_params, retain_params
@@ -99,9 +100,11 @@ def routing_setup(
     if cfg.eval_routing_steps and not cfg.env:  # env runs play held-out levels (routing.evaluation.env_routing_eval)
         from environments.stories import load_prompts
 
-        prompts = load_prompts(prompt_source, tokenizer, run.prompt_length, "test", cfg.eval_routing_prompts, cfg.seed)
-        kwargs["routing_eval_prompts"] = list(prompts["prompt"])
-        kwargs["routing_eval_rewards"] = {n: reward_config.reward(n) for n in [run.reward, *run.eval_reward_names]}
+        prompts = list(load_prompts(prompt_source, tokenizer, run.prompt_length, "test", cfg.eval_routing_prompts,
+                                    cfg.seed)["prompt"])  # fmt: skip
+        kwargs["routing_eval_prompts"] = prompts
+        kwargs["routing_eval_rewards"] = {n: on_prompts(reward_config.reward(n), prompts)
+                                          for n in [run.reward, *run.eval_reward_names]}  # fmt: skip
     return model, kwargs
 
 
@@ -220,7 +223,7 @@ class RoutingMixin:
         eligible = rh_eligible_mask(n, a.rh_eligible_frac if a.labelled else 1.0, a.seed, step, proc)
         local = {"hackable": hackable, "eligible": eligible}
         if self.base_reward is not None:
-            base = self.base_reward(list(completions))
+            base = score(self.base_reward, list(completions), getattr(self, "reward_context", None))
             if len(base) != n:
                 raise ValueError(f"--base_reward returned {len(base)} values for {n} completions")
             local["base"] = torch.tensor(base, dtype=torch.float32)
