@@ -26,6 +26,8 @@ BOTH = ["full_attention", "sliding_attention"]
 # (family, sliding_window, config overrides): each a transformers feature the fast path must reproduce
 CASES = {
     "llama": ("llama", None, {"attention_bias": True, "mlp_bias": True}),
+    "llama-yarn": ("llama", None, {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                       "original_max_position_embeddings": 16}}),  # cos, sin scaled
     "qwen2": ("qwen2", None, {}),
     "qwen2-window": ("qwen2", WINDOW, {"layer_types": BOTH}),
     "qwen3": ("qwen3", None, {}),
