@@ -42,6 +42,11 @@ ENVIRONMENTS: Registry = Registry("environment")
 # Modules whose import registers the builtin environments (see ``make_env``).
 BUILTIN_MODULES = ("bandit", "sokoban", "frozenlake", "arithmetic", "prisoners", "search")
 
+# Level seeds: RL and SFT training levels start at TRAIN_LEVELS, held-out validation levels at
+# HELDOUT_LEVELS (the builtin_env pretraining corpus uses seeds from 1_000_000 on).
+TRAIN_LEVELS = 0
+HELDOUT_LEVELS = 100_000
+
 # Joins history segments; also ends every segment, so a history always ends with it and a model
 # generating from it starts directly with its answer.
 SEPARATOR = "\n"

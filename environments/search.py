@@ -6,6 +6,11 @@ The corpus (``environments.search_corpus``: ``n_pages`` pages, a pure function o
 episode; ``reset(seed)`` draws one of its questions uniformly. The fact a question asks for is on exactly one page and
 not in the question, so the agent must find and read that page. The observation is the question.
 
+Held-out questions: a fixed ``HELDOUT_SHARE`` of the pages (``heldout_titles``) is asked about only on the held-out
+levels (seeds from ``HELDOUT_LEVELS``: SFT validation, the routing eval), every other page only on
+training levels; so a held-out success rate is not a recall of answers trained on (with one shared pool, 1000
+training levels would already cover 52% of the questions of held-out levels). Every page stays searchable and readable.
+
 Actions (``<answer>ACTION</answer>`` in the environments' RAGEN format, one per turn; the verb is case-insensitive and
 the colon may have spaces around it, as a WordPiece decode prints it):
 
@@ -30,8 +35,8 @@ from __future__ import annotations
 import random
 import re
 
-from .base import Environment, register_env
-from .search_corpus import Corpus, check_size, normalize, search_index
+from .base import HELDOUT_LEVELS, Environment, register_env
+from .search_corpus import Corpus, check_size, heldout_titles, normalize, search_index
 
 ACTIONS = ("search", "read", "answer")
 DEFAULT_K = 3
@@ -39,6 +44,7 @@ DEFAULT_PAGES = 400
 DEFAULT_CORPUS_SEED = 0
 DEFAULT_PAGE_CHARS = 400  # whole pages of the default corpus (the longest is 394 characters)
 CUT_MARK = " ..."
+HELDOUT_SHARE = 0.2  # of the pages, asked about on held-out levels only
 _ACTION = re.compile(r"(search|read|answer)\s*:(.*)", re.IGNORECASE | re.DOTALL)
 
 
@@ -84,9 +90,12 @@ class SearchEnv(Environment):
         self.corpus = self.index.corpus
         least = min_page_chars(self.corpus)
         self.page_chars = _int_param("page_chars", page_chars, least)  # below: some asked fact would be cut
+        held = heldout_titles(self.corpus, HELDOUT_SHARE)
+        self.questions = {split: tuple(q for q in self.corpus.questions if (q.title in held) == split)
+                          for split in (False, True)}  # fmt: skip  # True: the held-out levels' questions
 
     def _reset(self, rng: random.Random) -> None:
-        self.question = rng.choice(self.corpus.questions)
+        self.question = rng.choice(self.questions[self.seed >= HELDOUT_LEVELS])
         self.view = self._question_view()
 
     def _question_view(self) -> str:

@@ -192,6 +192,12 @@ def build_corpus(n_pages: int, seed: int) -> Corpus:
     return corpus
 
 
+def heldout_titles(corpus: Corpus, share: float) -> frozenset[str]:
+    """A fixed ``share`` of the pages (rounded), drawn from ``random.Random("search-heldout")``: the held-out pages."""
+    titles = sorted(p.title for p in corpus.pages)
+    return frozenset(random.Random("search-heldout").sample(titles, round(share * len(titles))))
+
+
 class SearchIndex:
     """BM25 (``bm25s``) over the pages' titles and texts: ``search(query, k)`` -> the top ``k`` pages with a
     positive score, best first (ties: the earlier page)."""

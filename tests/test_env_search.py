@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import bm25s
 import pytest
 
-from environments.base import answer_text, make_env, no_think_rewrite, run_episode
-from environments.search import DEFAULT_PAGE_CHARS, CUT_MARK, min_page_chars, visible_text
-from environments.search_corpus import MAX_PAGES, MIN_PAGES, Corpus, Page, SearchIndex, build_corpus, normalize
+from environments.base import HELDOUT_LEVELS, TRAIN_LEVELS, answer_text, make_env, no_think_rewrite, run_episode
+from environments.search import CUT_MARK, DEFAULT_PAGE_CHARS, HELDOUT_SHARE, min_page_chars, visible_text
+from environments.search_corpus import (MAX_PAGES, MIN_PAGES, Corpus, Page, SearchIndex, build_corpus, heldout_titles,
+                                        normalize)
 from environments.solvers import sft_pairs
 from trl_ext.registry import ConfigError
 
@@ -67,6 +68,18 @@ def test_each_fact_is_on_exactly_one_page_and_not_in_the_question(n_pages, seed)
         assert _padded(q.answer) not in _padded(q.text), q
         assert _padded(q.answer) not in _padded(corpus.page(q.title).lead), q
     assert len({(q.text, q.answer) for q in corpus.questions}) == len(corpus.questions)
+
+
+def test_heldout_levels_ask_about_heldout_pages_only():
+    env = _env()
+    held = heldout_titles(env.corpus, HELDOUT_SHARE)
+    assert len(held) == 80 and held == heldout_titles(build_corpus.__wrapped__(400, 0), HELDOUT_SHARE)
+    train = {_ask(env, s).title for s in range(TRAIN_LEVELS, TRAIN_LEVELS + 600)}
+    heldout = {_ask(env, s).title for s in range(HELDOUT_LEVELS, HELDOUT_LEVELS + 300)}
+    assert heldout <= held and not train & held and len(heldout) > 50 and len(train) > 250
+    assert len(env.questions[False]) + len(env.questions[True]) == len(env.corpus.questions)
+    env.reset(TRAIN_LEVELS)  # held-out pages stay searchable and readable on training levels
+    assert env.step(answer_text(f"read: {sorted(held)[0]}")).info["valid"]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,17 +1,15 @@
-"""The ``--env`` flags (`EnvArgs`, mixed into ExtGRPOConfig) and the level seeds of training and held-out levels."""
+"""The ``--env`` flags (`EnvArgs`, mixed into ExtGRPOConfig) and the level seeds of training and held-out levels
+(defined in ``environments.base``: the search environment splits its questions by them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from environments.base import check_max_turns, env_class, make_env, parse_env_params
+from environments.base import HELDOUT_LEVELS, TRAIN_LEVELS, check_max_turns, env_class, make_env, parse_env_params
 from trl_ext.advantages import ADV_ESTIMATORS
 from trl_ext.registry import ConfigError
 
-# Level seeds: RL and SFT training levels start at TRAIN_LEVELS, held-out validation levels at
-# HELDOUT_LEVELS (the builtin_env pretraining corpus uses seeds from 1_000_000 on).
-TRAIN_LEVELS = 0
-HELDOUT_LEVELS = 100_000
+__all__ = ["EnvArgs", "HELDOUT_LEVELS", "TRAIN_LEVELS"]
 
 
 @dataclass
