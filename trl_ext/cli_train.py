@@ -16,7 +16,7 @@ from transformers import HfArgumentParser
 
 from trl_ext.models.builtin_env import BUILTIN_ENV
 from trl_ext.config import ExtGRPOConfig, RunArgs
-from trl_ext.models import LLAMA_PROJECTIONS, STORY_MODELS, model_source, load_tokenizer, prepare_tokenizer, resolve_model_arg
+from trl_ext.models import STORY_MODELS, model_source, load_tokenizer, prepare_tokenizer, resolve_model_arg
 from trl_ext.naming import run_name
 from trl_ext.registry import ConfigError
 
@@ -47,7 +47,7 @@ def build_plan(argv: list[str]) -> Plan:
     """Parse ``argv`` and validate the run; raises ConfigError (argparse itself exits 2 on bad flags)."""
     from rewards.config import load_reward_config
     from trl_ext.distill.args import check_run_distill
-    from trl_ext.routing.args import check_run_routing
+    from trl_ext.routing.args import check_run_adapters, check_run_routing
 
     from trl_ext.launch.processes import check_single_process
 
@@ -65,6 +65,7 @@ def build_plan(argv: list[str]) -> Plan:
         reward_config.reward(name)
     check_reward_inputs(run, cfg, reward_config)
     check_run_routing(run, cfg, reward_config)  # story and --env runs alike (an env detector needs --env)
+    check_run_adapters(run, cfg)  # LoRA targets and adapter layers against --model's structure (its config only)
     check_run_distill(run, cfg)
     base_args = ["--reward", run.reward] if run.reward else ["--env", cfg.env]
     default_run, default_cfg = parser().parse_args_into_dataclasses(args=base_args)
@@ -189,9 +190,8 @@ def run_training(plan: Plan) -> int:
     if run.lora_rank:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(
-            r=run.lora_rank, lora_alpha=run.lora_alpha, target_modules=list(LLAMA_PROJECTIONS), task_type="CAUSAL_LM"
-        )
+        peft_config = LoraConfig(r=run.lora_rank, lora_alpha=run.lora_alpha, task_type="CAUSAL_LM",
+                                 **run.lora_targets.peft_kwargs())  # fmt: skip
     rc = plan.reward_config
     model, routing_kwargs = routing_setup(run, cfg, rc, model_path, tokenizer, prompt_source(run))
     trainer = ExtGRPOTrainer(

@@ -61,9 +61,10 @@ def as_text(x) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in x)
 
 
-def build_dual_lora_model(model_path: str, cfg, alpha: float) -> tuple[nn.Module, DualLoRALayout]:
+def build_dual_lora_model(model_path: str, cfg, alpha: float, targets: tuple[str, ...] | None = None
+                          ) -> tuple[nn.Module, DualLoRALayout]:
     """Load ``model_path`` as GRPOTrainer would (``model_init_kwargs``) and wrap it with dual LoRA or MLP adapters
-    (``alpha``: LoRA only)."""
+    (``alpha`` and ``targets``, None = every linear of a block: LoRA only)."""
     from trl.trainer.utils import create_model_from_path
 
     kwargs = dict(cfg.model_init_kwargs or {})
@@ -78,7 +79,7 @@ def build_dual_lora_model(model_path: str, cfg, alpha: float) -> tuple[nn.Module
         layout = apply_dual_mlp(model, retain, forget, cfg.lora_layer_start, cfg.lora_layer_end, cfg.lora_layer_stride)
     else:
         layout = apply_dual_lora(model, retain, forget, alpha, cfg.lora_layer_start, cfg.lora_layer_end,
-                                 cfg.lora_layer_stride, include_lm_head=cfg.lora_lm_head)
+                                 cfg.lora_layer_stride, targets, include_lm_head=cfg.lora_lm_head)
     if cfg.gradient_checkpointing:
         model.enable_input_require_grads()  # frozen embeddings: reentrant checkpointing needs a grad input
     return model, layout
@@ -95,7 +96,8 @@ def routing_setup(
         kwargs["base_reward"] = (cfg.base_reward, reward_config.reward(cfg.base_reward))
     if not cfg.dual_lora:
         return model_path, kwargs
-    model, kwargs["dual_lora_layout"] = build_dual_lora_model(model_path, cfg, cfg.dual_lora_alpha)
+    targets = None if run.lora_targets is None else run.lora_targets.names
+    model, kwargs["dual_lora_layout"] = build_dual_lora_model(model_path, cfg, cfg.dual_lora_alpha, targets)
     kwargs["dual_lora_base"] = str(Path(model_path).resolve()) if Path(model_path).is_dir() else model_path
     if cfg.eval_routing_steps and not cfg.env:  # env runs play held-out levels (routing.evaluation.env_routing_eval)
         from environments.stories import load_prompts
