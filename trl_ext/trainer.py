@@ -57,8 +57,11 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
         """GRPOTrainer's arguments, the feature mixins' keyword arguments (routing: ``rh_detector``, ...),
         ``eval_reward_funcs`` (name -> reward, logged, not optimised; a ``rewards.bound.BoundReward`` that reads more
         than texts gets the batch's TRL reward arguments) and ``reward_names`` (the names logged for
-        ``reward_funcs``, instead of TRL's)."""
-        super().__init__(*args, **kwargs)
+        ``reward_funcs``, instead of TRL's). Python-API conveniences
+        (``trl_ext.api``): a builtin model name or path as ``model``, the tokenizer prepared, dual adapters built."""
+        from trl_ext.api import trainer_arguments
+
+        super().__init__(**trainer_arguments(args, kwargs))
         if reward_names is not None:  # config binding names (TRL names a reward model by its checkpoint directory)
             if len(reward_names) != len(self.reward_func_names):
                 raise ValueError(f"{len(reward_names)} reward_names for {len(self.reward_func_names)} reward functions")

@@ -1,0 +1,60 @@
+"""The Python API (README "Use it from Python"): examples/python_api.py builds ExtGRPOConfig and ExtGRPOTrainer as a
+TRL user would, with its own dataset and reward function, and turns on each extension through the config."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "python_api.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("python_api_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dataset_columns_reach_the_reward():
+    ex = _example()
+    assert ex.mentions_target(["she was happy today", "it was fine"], target=["happy", "happy"]) == [1.0, 0.0]
+    assert set(ex.your_dataset(8).column_names) == {"prompt", "target"}
+
+
+def test_api_conveniences_refuse_what_train_py_refuses():
+    from trl_ext import ExtGRPOConfig
+    from trl_ext.api import trainer_arguments
+
+    cfg = ExtGRPOConfig(output_dir="unused", teacher_tau=0.5, student_tau=0.5, teacher_context="A happy story.",
+                        beta=0.0, report_to=[])  # fmt: skip
+    with pytest.raises(ValueError, match="needs a teacher"):
+        trainer_arguments((), {"model": "unused", "args": cfg, "reward_funcs": []})
+    with pytest.raises(TypeError, match="ExtGRPOConfig"):
+        trainer_arguments(("m", []), {"args": object()})
+    named = trainer_arguments((), {"model": object(), "args": ExtGRPOConfig(output_dir="u", report_to=[]),
+                                   "rh_detector": _example().says_happy})  # fmt: skip
+    assert named["rh_detector"][0] == "says_happy"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature", ["plain", "lora", "offpolicy", "routing", "distill", "env"])
+def test_example_trains_each_extension(builtin_path, tmp_path, feature):
+    trainer = _example().main(["--feature", feature, "--max_steps", "2", "--output_dir", str(tmp_path)])
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in logs] == [1, 2] and all(math.isfinite(h["loss"]) for h in logs)
+    reward_key = "rewards/env_reward/mean" if feature == "env" else "rewards/mentions_target/mean"
+    assert all(reward_key in h for h in logs)
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if feature == "lora":
+        assert trainable and all("lora_" in n for n in trainable)
+    elif feature == "routing":
+        assert trainable and all(n.split(".")[-1] in ("retain_A", "retain_B", "forget_A", "forget_B") for n in trainable)
+        assert trainer.rh_detector_name == "says_happy"
+    if feature == "offpolicy":
+        assert all(h["offpolicy/policy_lag_max"] <= 1 for h in logs)
+    if feature == "distill":
+        assert trainer.distill_cfg is not None
