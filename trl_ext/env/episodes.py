@@ -12,7 +12,9 @@
   as the next turn, up to ``--max_turns`` turns. The completion is agent and environment tokens in order;
   ``env_mask`` (TRL's tool mask: 1 = trained, 0 = not) excludes the environment tokens (and the
   prefills) from the loss. RAGEN (its default ``state_masking: false``) trained on them: the policy
-  gradient then also pushes up the likelihood of observations the policy does not choose.
+  gradient then also pushes up the likelihood of observations the policy does not choose. Chat models: the
+  environment's tokens are the template's rendering between the agent's content and the next generation prompt
+  (`chat_env_text`), less a leading end-of-turn token (EOS) that the agent's turn already ends with.
   A finished trajectory is closed with an EOS that is not trained on.
 - Reward: the sum of the episode's step rewards (invalid answers earn the environment's penalty).
 - ``--adv_estimator grpo|brpo|arpo`` replaces TRL's advantage with ``trl_ext.advantages``.
@@ -153,6 +155,8 @@ def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSamp
                 else:
                     env_text = SEPARATOR + reply + SEPARATOR + prefill
                 env_ids = _encode(tok, env_text)
+                if chat and ids and env_ids[:1] == ids[-1:] and ids[-1] in tok.all_special_ids:
+                    env_ids = env_ids[1:]  # the agent sampled the template's end-of-turn token (EOS) itself
                 completion[i] += env_ids
                 mask[i] += [0] * len(env_ids)
                 logprobs[i] += [0.0] * len(env_ids)

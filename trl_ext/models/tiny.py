@@ -8,6 +8,13 @@ on it. The weights are random: such a model trains and samples, it does not writ
     uv run python -m trl_ext.models.tiny qwen3 output/tiny-qwen3            # then --model output/tiny-qwen3
     uv run python -m trl_ext.models.tiny phi3 out/phi3 --tokenizer builtin_env --chat_template
 
+A chat model (``--chat_template``, or ``chat_template=`` of `build_tiny`): the tokenizer gets one of
+``CHAT_TEMPLATES``, small Jinja templates written in what the builtin WordPiece vocabularies encode without [UNK]
+(``tags``: ``<user> ... </user> <assistant> ...`` for builtin_env's, which has ``< > /``; ``words``: ``user , ... !
+assistant , ...`` for the builtin story tokenizer, which has only ``! , . ?`` besides letters). The bare flag picks
+the first that ``--tokenizer`` encodes without [UNK]; a name or a Jinja file picks one. `with_chat_template` gives
+any saved model (``builtin_env``'s pretrained weights) a template. A template whose rendering has [UNK] is refused.
+
 ``FAMILIES`` lists the architectures (their transformers ``model_type``); every one is built with the same
 size (``SIZE``) where its config has the field. Sliding-window families get a window larger than any sequence the
 tests use unless ``sliding_window`` is given.
@@ -29,6 +36,21 @@ _FIELDS = {
 }  # fmt: skip
 FAMILIES = tuple(_FIELDS)
 """Architectures the factory builds, by transformers ``model_type``."""
+
+# Every turn renders as "<open> content <close> " and the generation prompt is the assistant turn's opening, so an
+# agent turn renders verbatim right after the prompt (what multi-turn environments need, `env.episodes`). No
+# newlines: builtin_env's normaliser writes a newline as " | ".
+CHAT_TEMPLATES = {
+    "tags": ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </{{ m['role'] }}> {% endfor %}"
+             "{% if add_generation_prompt %}<assistant> {% endif %}"),
+    "words": ("{% for m in messages %}{{ m['role'] }} , {{ m['content'] }} ! {% endfor %}"
+              "{% if add_generation_prompt %}assistant , {% endif %}"),
+}  # fmt: skip
+"""Chat templates for the builtin tokenizers, by name (module docstring)."""
+CHAT_TEMPLATE = CHAT_TEMPLATES["tags"]
+"""The chat template of builtin_env's tokenizer (``< > /`` are in its vocabulary)."""
+_PROBE = [{"role": "system", "content": "rules"}, {"role": "user", "content": "hello"},
+          {"role": "assistant", "content": "hi"}, {"role": "user", "content": "go"}]  # fmt: skip
 
 
 def tiny_config(model_type: str, vocab_size: int, eos_token_id: int, sliding_window: int | None = None):
@@ -57,6 +79,56 @@ def tiny_config(model_type: str, vocab_size: int, eos_token_id: int, sliding_win
     return AutoConfig.for_model(model_type, **fields, **common)
 
 
+def unknown_tokens(tok, chat_template: str) -> int:
+    """How many [UNK] ids ``tok`` encodes a probe conversation rendered by ``chat_template`` into (0 without UNK)."""
+    text = tok.apply_chat_template(_PROBE, chat_template=chat_template, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return 0 if tok.unk_token_id is None else ids.count(tok.unk_token_id)
+
+
+def chat_template_for(tok, choice: str | None = None) -> str:
+    """The Jinja text of ``choice`` for ``tok``: a ``CHAT_TEMPLATES`` name, a path to a Jinja file, or None for the
+    first builtin template ``tok`` encodes without [UNK]. Raises ValueError when the template renders to [UNK]."""
+    if choice is None:
+        for template in CHAT_TEMPLATES.values():
+            if unknown_tokens(tok, template) == 0:
+                return template
+        raise ValueError(f"no builtin chat template ({', '.join(CHAT_TEMPLATES)}) encodes without [UNK] in this "
+                         "tokenizer: pass a Jinja file")  # fmt: skip
+    template = CHAT_TEMPLATES.get(choice)
+    if template is None:
+        path = Path(choice)
+        if not path.is_file():
+            raise ValueError(f"--chat_template {choice!r} is neither one of {', '.join(CHAT_TEMPLATES)} nor a file")
+        template = path.read_text()
+    check_template(tok, template, repr(choice))
+    return template
+
+
+def check_template(tok, chat_template: str, name: str = "the chat template") -> None:
+    """ValueError when ``chat_template`` renders a probe conversation to [UNK] tokens in ``tok``."""
+    unk = unknown_tokens(tok, chat_template)
+    if unk:
+        raise ValueError(f"chat template {name} renders a probe conversation to {unk} [UNK] tokens in this "
+                         "tokenizer: its markers are not in the vocabulary")  # fmt: skip
+
+
+def with_chat_template(source: str, out_dir: str | Path, chat_template: str | None = None) -> Path:
+    """Copy the saved model ``source`` (a builtin name or a directory) to ``out_dir`` with ``chat_template``
+    (`chat_template_for`'s choice) set on its tokenizer: a chat model with the source's (pretrained) weights."""
+    import shutil
+
+    from trl_ext.models import load_tokenizer
+
+    src = Path(tokenizer_source(source))
+    tok = load_tokenizer(str(src))
+    tok.chat_template = chat_template_for(tok, chat_template)
+    out = Path(out_dir)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    tok.save_pretrained(out)
+    return out
+
+
 def tokenizer_source(tokenizer: str) -> str:
     """The directory of a builtin model (``builtin``, ``builtin_env``, ...) whose tokenizer a tiny model uses, or a
     path to any tokenizer."""
@@ -69,8 +141,8 @@ def build_tiny(model_type: str, out_dir: str | Path, tokenizer: str = "builtin",
                chat_template: str | None = None, sliding_window: int | None = None) -> Path:
     """Build and save a tiny random ``model_type`` model with ``tokenizer``'s tokenizer into ``out_dir``.
 
-    ``chat_template`` (a Jinja template) is set on the saved tokenizer (a chat model's). Deterministic in ``seed``.
-    Returns ``out_dir``.
+    ``chat_template`` (Jinja text; ValueError when its rendering has [UNK] in this tokenizer) is set on the saved
+    tokenizer (a chat model's). Deterministic in ``seed``. Returns ``out_dir``.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -79,6 +151,7 @@ def build_tiny(model_type: str, out_dir: str | Path, tokenizer: str = "builtin",
 
     tok = load_tokenizer(tokenizer_source(tokenizer))
     if chat_template is not None:
+        check_template(tok, chat_template)
         tok.chat_template = chat_template
     config = tiny_config(model_type, len(tok), tok.eos_token_id, sliding_window)
     torch.manual_seed(seed)
@@ -103,8 +176,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer", default="builtin", help="a builtin model name or a tokenizer path")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--sliding_window", type=int, default=None)
+    p.add_argument("--chat_template", nargs="?", const="", default=None, metavar="NAME_OR_FILE",
+                   help=f"give the tokenizer a chat template: {' or '.join(CHAT_TEMPLATES)} (CHAT_TEMPLATES), a Jinja "
+                        "file, or bare: the first builtin one the tokenizer encodes without [UNK]")  # fmt: skip
     args = p.parse_args(argv)
-    out = build_tiny(args.family, args.out_dir, args.tokenizer, args.seed, sliding_window=args.sliding_window)
+    template = None
+    if args.chat_template is not None:
+        from trl_ext.models import load_tokenizer
+
+        try:
+            template = chat_template_for(load_tokenizer(tokenizer_source(args.tokenizer)), args.chat_template or None)
+        except ValueError as e:
+            p.error(str(e))
+    out = build_tiny(args.family, args.out_dir, args.tokenizer, args.seed, template, args.sliding_window)
     print(out)
 
 
