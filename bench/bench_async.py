@@ -1,6 +1,7 @@
 """Throughput of asynchronous rollouts: samples/s with --max_async_level 1 (non-strict, in-flight updates; the
-generator thread samples with the fast backend) over --max_async_level 0 (synchronous generate-then-train, with TRL's
-generation and with --generation_backend fast) on the builtin model.
+generator thread samples with the fast sampler, ``--generation_backend fast``) over --max_async_level 0 (synchronous
+generate-then-train, with TRL's generation and with --generation_backend fast) on the builtin model; and k = 1 with
+the generator's transformers sampler (``--generation_backend trl``) beside it.
 
 Same config for every arm (bench_step.py's: batch 32, 16 generations, 64 completion tokens, beta 0.02, lr 3e-4), same
 prompts and seed, 2 torch threads in total (with k = 1 the generator thread gets 1 and the trainer keeps 1).
@@ -29,6 +30,8 @@ from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
 from trl_ext.trainer import ExtGRPOTrainer
 
 BATCH = 32
+ARMS = {"k=0 trl": (0, "trl"), "k=0 fast": (0, "fast"), "k=1": (1, "fast"), "k=1 trl": (1, "trl")}
+"""name -> (max_async_level, generation_backend); k=1 trl: the generator samples with the transformers sampler."""
 
 
 class WallClock(TrainerCallback):
@@ -73,11 +76,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--model", default="builtin", help="'builtin' or a builtin-shaped model directory")
     ap.add_argument("--threads", type=int, default=2, help="torch threads in total (k = 1 splits them)")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     args = ap.parse_args()
     source = model_source(args.model)
     tokenizer = prepare_tokenizer(load_tokenizer(source))
     dataset = load_prompts("builtin", tokenizer, 8, "train", 1024, 42)  # the builtin held-out stories
-    arms = {"k=0 trl": (0, "trl"), "k=0 fast": (0, "fast"), "k=1": (1, "trl")}
+    arms = {name: ARMS[name] for name in args.arms}
     load_before = os.getloadavg()
     rates = {name: [] for name in arms}
     with tempfile.TemporaryDirectory() as out:
@@ -90,9 +94,10 @@ def main() -> None:
     load_after = os.getloadavg()
     for name in arms:
         print(f"{name}: {spread(rates[name], '.1f')} samples/s")
-    for base in ("k=0 trl", "k=0 fast"):
-        ratios = [a / b for a, b in zip(rates["k=1"], rates[base], strict=True)]
-        print(f"ratio k=1 / {base} = {spread(ratios)}  (goal >= 1.6; {args.rounds} rounds, {args.threads} threads)")
+    for name, base in (("k=1", "k=0 trl"), ("k=1", "k=0 fast"), ("k=1 trl", "k=1")):
+        if name in rates and base in rates:
+            ratios = [a / b for a, b in zip(rates[name], rates[base], strict=True)]
+            print(f"ratio {name} / {base} = {spread(ratios)}  ({args.rounds} rounds, {args.threads} threads)")
     print(f"{args.steps} steps per run after {args.warmup} warm-up, load average {load_before[0]:.2f} before, "
           f"{load_after[0]:.2f} after, on {os.cpu_count()} CPUs")  # fmt: skip
 

@@ -3,8 +3,8 @@
 
 builtin_env model, 3 turns, batch 32 (8 levels x 4 rollouts), 96 completion tokens, beta 0.02, lr 1e-4, 2 torch
 threads in total (k = 1: 1 for the generator, 1 for the trainer). Each round runs k = 0 (TRL's generation), k = 0
-with ``--generation_backend fast`` and k = 1 (whose generator always uses the fast sampler) from the same initial
-weights, prompts and seed, in one process; a round's ratio is k = 1's samples/s (completions trained per second of wall
+with ``--generation_backend fast`` and k = 1 with ``--generation_backend fast`` (the generator's fast sampler) from
+the same initial weights, prompts and seed, in one process; a round's ratio is k = 1's samples/s (completions trained per second of wall
 time after the warm-up steps) over k = 0's. The fast sampler ends a turn at the closing answer tag; TRL's generation
 runs to the token limit (the tail is cut off afterwards), so k = 1 / k = 0 fast is the gain of asynchrony alone. Printed: min / median / max over the rounds and the load average.
 
@@ -59,7 +59,7 @@ def main() -> None:
         for r in range(a.rounds):
             sync = samples_per_s(0, source, tok, a.steps, a.warmup, out)
             sync_fast = samples_per_s(0, source, tok, a.steps, a.warmup, out, backend="fast")
-            async_ = samples_per_s(1, source, tok, a.steps, a.warmup, out)
+            async_ = samples_per_s(1, source, tok, a.steps, a.warmup, out, backend="fast")
             ratios.append(async_ / sync)
             fast_ratios.append(async_ / sync_fast)
             print(f"round {r + 1}: k=0 {sync:.1f} samples/s, k=0 fast {sync_fast:.1f}, k=1 {async_:.1f}; "

@@ -6,8 +6,8 @@
    CUDA graphs, on the builtin model (fp32), SimpleStories-1.25M's shape (vocab 4096) and a Qwen2.5-0.5B-shaped model
    (both randomly initialised offline, bf16; EOS never sampled, so every run makes all 64 tokens);
 3. the whole GRPO step at bench_step.py's config (builtin, batch 32, 16 generations, 64 tokens, beta 0.02):
-   vanilla trl.GRPOTrainer vs ExtGRPOTrainer with ``--generation_backend fast`` and with ``--max_async_level 1``
-   (generator thread on its own CUDA stream; needs trl; ``--no_step`` skips it).
+   vanilla trl.GRPOTrainer vs ExtGRPOTrainer with ``--generation_backend fast`` and with ``--max_async_level 1
+   --generation_backend fast`` (generator thread on its own CUDA stream; needs trl; ``--no_step`` skips it).
 
 Each comparison alternates its arms for ``--rounds`` rounds and prints min / median / max.
 
@@ -168,7 +168,8 @@ def bench_step(rounds: int, steps: int, warmup: int) -> None:
     dataset = load_prompts("builtin", tok, 8, "train", 512, 42)
     arms = {"vanilla TRL": (GRPOTrainer, GRPOConfig, vanilla_tok),
             "fast backend": (ExtGRPOTrainer, functools.partial(ExtGRPOConfig, generation_backend="fast"), tok),
-            "async k=1": (ExtGRPOTrainer, functools.partial(ExtGRPOConfig, max_async_level=1), tok)}
+            "async k=1": (ExtGRPOTrainer,
+                          functools.partial(ExtGRPOConfig, max_async_level=1, generation_backend="fast"), tok)}
     medians = {k: [] for k in arms}
     with tempfile.TemporaryDirectory() as out:
         for _ in range(rounds):

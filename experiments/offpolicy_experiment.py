@@ -38,15 +38,16 @@ RESULTS = ROOT / "experiments" / "results"
 NO_MASK_FLAGS = ["--token_mask_low", "0", "--token_mask_high", "1e10", "--sequence_mask_low", "0",
                  "--sequence_mask_high", "1e10", "--geo_mask_low", "0", "--geo_mask_high", "1e10",
                  "--sequence_clip_high", "1e10"]  # fmt: skip  (seed 000's "no mask" flags; token_clip_high is off)
+FAST = ["--generation_backend", "fast"]  # the generator's sampler of the recorded runs
 RUNS = {
     "k0": ["--max_async_level", "0"],
     **{
-        f"k{k}_strict_{m}": ["--max_async_level", str(k), "--strict_async_level"]
+        f"k{k}_strict_{m}": ["--max_async_level", str(k), "--strict_async_level", *FAST]
         + (NO_MASK_FLAGS if m == "nomask" else [])
         for k in (1, 4, 16)
         for m in ("nomask", "masks")
     },
-    "k1_inflight_masks": ["--max_async_level", "1"],
+    "k1_inflight_masks": ["--max_async_level", "1", *FAST],
 }
 METRICS = ("reward", "offpolicy/masked_frac", "offpolicy/seq_masked_frac", "offpolicy/token_masked_low_frac",
            "offpolicy/token_masked_high_frac", "offpolicy/geo_masked_low_frac", "offpolicy/geo_masked_high_frac",

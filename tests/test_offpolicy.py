@@ -171,7 +171,7 @@ def _catch(fn):
 # ---------------------------------------------------------------- generator thread
 
 
-def drive(k, strict, start, steps, on_step=None, around_publish=None):
+def drive(k, strict, start, steps, on_step=None, around_publish=None, backend="fast"):
     """A stand-in trainer: submit prompts k ahead, take batch n, 'train' (perturb), publish n + 1.
 
     Returns the rollouts and the weights of every version, to re-score each batch under the policy it claims."""
@@ -180,7 +180,7 @@ def drive(k, strict, start, steps, on_step=None, around_publish=None):
     store = PolicyStore()
     store.publish(start, model)
     worker = RolloutWorker(generation_copy(model), store, params(), max_async_level=k, strict=strict,
-                           start_step=start, seed=0, on_step=on_step)  # fmt: skip
+                           start_step=start, seed=0, backend=backend, on_step=on_step)  # fmt: skip
     worker.start()
     rollouts, submitted = [], start - 1
     try:
@@ -207,9 +207,10 @@ def scored_under(weights, rollout, temperature=1.0):
     return rescore(model, rollout.prompt_ids, rollout.completion_ids, temperature)
 
 
+@pytest.mark.parametrize("backend", ["fast", "trl"])
 @pytest.mark.parametrize("k, start", [(1, 0), (4, 0), (2, 3)])
-def test_strict_schedule_versions_and_weights(k, start):
-    rollouts, weights = drive(k, True, start, 7)
+def test_strict_schedule_versions_and_weights(k, start, backend):
+    rollouts, weights = drive(k, True, start, 7, backend=backend)
     for n, r in zip(range(start, start + 7), rollouts, strict=True):
         v = max(n - k, start)
         assert r.index == n and r.rows[0]["prompt"] == str(n)
@@ -219,7 +220,8 @@ def test_strict_schedule_versions_and_weights(k, start):
         assert max(diffs) < 1e-5
 
 
-def test_non_strict_in_flight_update_mid_sequence():
+@pytest.mark.parametrize("backend", ["fast", "trl"])
+def test_non_strict_in_flight_update_mid_sequence(backend):
     """Batch 1 samples 3 tokens with policy 0, then the 'trainer' publishes policy 1, which the generator loads
     before the 4th token (the events only fix the interleaving; the loading is the worker's own)."""
     reached, published = threading.Event(), threading.Event()
@@ -236,7 +238,7 @@ def test_non_strict_in_flight_update_mid_sequence():
         if version == 1 and phase == "after":
             published.set()
 
-    rollouts, weights = drive(1, False, 0, 3, on_step=on_step, around_publish=around_publish)
+    rollouts, weights = drive(1, False, 0, 3, on_step=on_step, around_publish=around_publish, backend=backend)
     r1 = rollouts[1]
     long = [v for v in r1.versions if len(v) > 3]
     assert long and all(v == [0, 0, 0] + [1] * (len(v) - 3) for v in long)
@@ -254,7 +256,7 @@ def test_queue_is_bounded_by_k():
     store = PolicyStore()
     store.publish(0, model)
     worker = RolloutWorker(generation_copy(model), store, params(max_new_tokens=2), max_async_level=2, strict=True,
-                           start_step=0, seed=0)  # fmt: skip
+                           start_step=0, seed=0, backend="fast")  # fmt: skip
     worker.start()
     try:
         for i in range(6):
@@ -271,7 +273,8 @@ def test_queue_is_bounded_by_k():
         worker.stop()
 
 
-def test_generator_failure_reaches_the_trainer():
+@pytest.mark.parametrize("backend", ["fast", "trl"])
+def test_generator_failure_reaches_the_trainer(backend):
     model = tiny_model()
     store = PolicyStore()
     store.publish(0, model)
@@ -280,8 +283,9 @@ def test_generator_failure_reaches_the_trainer():
     def boom(*a, **k):
         raise FloatingPointError("generator exploded")
 
-    clone.model.embed_tokens.forward = boom  # the fast sampler calls the embedding module
-    worker = RolloutWorker(clone, store, params(), max_async_level=1, strict=False, start_step=0, seed=0)
+    clone.model.embed_tokens.forward = boom  # both samplers call the embedding module
+    worker = RolloutWorker(clone, store, params(), max_async_level=1, strict=False, start_step=0, seed=0,
+                           backend=backend)  # fmt: skip
     worker.start()
     worker.submit(0, [{}] * len(PROMPTS), PROMPTS)
     with pytest.raises(RuntimeError, match="generator thread failed") as info:

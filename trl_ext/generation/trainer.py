@@ -1,10 +1,12 @@
 """Trainer plumbing of the fast generation backend: the ``--generation_backend`` flag (`GenerationArgs`) and the
 GRPOTrainer hook (`GenerationMixin._generate_single_turn`). The sampler is ``trl_ext.generation.sampler``.
 
-``--generation_backend trl`` (the default) leaves TRL's generation untouched. ``fast`` replaces the
-``transformers.generate`` call of synchronous runs with `FastSampler`, which also returns the behaviour log-probs
-(raw tempered logits, as the asynchronous generator records them; TRL stores them as ``sampling_per_token_logps``).
-Runs with ``--max_async_level >= 1`` always sample with the fast sampler, in the generator thread.
+The flag names the sampler that generates. ``--generation_backend trl`` (the default) leaves TRL's generation
+untouched; with ``--max_async_level >= 1`` the generator thread samples with transformers' own model forward
+(`trl_ext.generation.hf_sampler.HFSampler`, any causal LM). ``fast`` samples with `FastSampler` (its architectures):
+it replaces the ``transformers.generate`` call of synchronous runs and also returns the behaviour log-probs (raw
+tempered logits, as the asynchronous generator records them; TRL stores them as ``sampling_per_token_logps``), and it
+is the generator thread's sampler with ``--max_async_level >= 1`` (``trl_ext.generation.backends``).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import torch
 from trl import GRPOConfig
 
 from trl_ext.env.episodes import answer_stop_sequences
-from trl_ext.generation.sampler import FastSampler, SamplingParams
+from trl_ext.generation.backends import SAMPLERS
+from trl_ext.generation.sampler import SUPPORTED_MODEL_TYPES, FastSampler, SamplingParams
 from trl_ext.registry import ConfigError
 
-BACKENDS = ("trl", "fast")
+BACKENDS = tuple(SAMPLERS)  # the sync path: 'trl' = TRL's own generation, 'fast' = FastSampler
 CPU_DECODE_THREADS = 1
 """Torch threads of a synchronous fast-backend generation on CPU (the trainer's setting is restored after it)."""
 _UNSUPPORTED = ("use_vllm", "use_transformers_continuous_batching", "repetition_penalty", "min_p", "generation_kwargs",
@@ -30,9 +33,11 @@ _UNSUPPORTED = ("use_vllm", "use_transformers_continuous_batching", "repetition_
 class GenerationArgs:
     generation_backend: str = field(
         default="trl",
-        metadata={"help": "Synchronous generation: 'trl' (transformers.generate, TRL's own path) or 'fast' (static KV "
-                  "cache, fused sampling, CUDA graphs on CUDA; Llama/Qwen2 models; temperature, top-k, top-p only). "
-                  "--max_async_level >= 1 always uses the fast sampler."},
+        metadata={"help": "Which sampler generates. 'trl': TRL's own path (transformers.generate); with "
+                  "--max_async_level >= 1 the generator thread samples with transformers' model forward (any causal "
+                  "LM). 'fast': the project's fast sampler (static KV cache, fused sampling, CUDA graphs on CUDA; "
+                  f"{', '.join(SUPPORTED_MODEL_TYPES)} models; temperature, top-k, top-p only), synchronous or in the "
+                  "generator thread."},
     )  # fmt: skip
 
     def validate_generation(self) -> None:
@@ -40,9 +45,12 @@ class GenerationArgs:
         if self.generation_backend not in BACKENDS:
             raise ConfigError(f"--generation_backend must be one of {', '.join(BACKENDS)}, "
                               f"got {self.generation_backend!r}")
-        if self.generation_backend == "trl":
-            return
         defaults = {f.name: f.default for f in fields(GRPOConfig)}
+        if self.generation_backend == "trl":
+            if self.max_async_level >= 1 and self.cache_implementation != defaults["cache_implementation"]:
+                raise ConfigError(f"--cache_implementation {self.cache_implementation!r} is not used by the "
+                                  f"off-policy generator (--max_async_level >= 1 samples with a DynamicCache)")
+            return
         for name in _UNSUPPORTED:
             if getattr(self, name) != defaults[name]:
                 raise ConfigError(f"--{name} {getattr(self, name)!r} is not implemented by --generation_backend "

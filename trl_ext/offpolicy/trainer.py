@@ -2,8 +2,9 @@
 ``trl_ext.offpolicy.args``. The rollout machinery is in ``trl_ext.offpolicy.worker``, the loss in ``trl_ext.offpolicy.importance``.
 
 With ``max_async_level = 0`` (the default) nothing changes: TRL's own synchronous generation and loss run untouched.
-With k > 0 a generator thread samples batches ahead of the trainer (``trl_ext.offpolicy.worker`` has the schedule) and every
-training step uses the masked importance-sampling loss of prime-rl (``trl_ext.offpolicy.importance``) with the recorded behaviour
+With k > 0 a generator thread samples batches ahead of the trainer (``trl_ext.offpolicy.worker`` has the schedule; the
+sampler is the one ``--generation_backend`` names, ``trl_ext.generation.backends``, announced once in train.log) and
+every training step uses the masked importance-sampling loss of prime-rl (``trl_ext.offpolicy.importance``) with the recorded behaviour
 log-probs, whatever the masks are set to: with the masks off (``importance.NO_MASK``) it is REINFORCE weighted by the
 plain importance ratio. TRL's PPO clip (epsilon, delta), its sequence-level IS, entropy masks and bonus do not apply
 to that loss and must stay at their defaults. The KL penalty to the reference model (beta) is TRL's k3 estimator on
@@ -22,6 +23,7 @@ from trl.trainer.utils import RepeatSampler, pad
 
 from trl_ext.batch import loss_mask
 from trl_ext.env.episodes import answer_stop_sequences
+from trl_ext.generation.backends import DESCRIPTIONS
 from trl_ext.offpolicy.importance import (
     NORMALISATIONS,
     ImportanceConfig,
@@ -61,6 +63,8 @@ class OffPolicyMixin:
         if not hasattr(self.train_dataset, "__getitem__"):
             raise ConfigError("--max_async_level >= 1 needs an indexable (map-style) train dataset")
         self.add_callback(_PublishWeights(self))
+        backend = self.args.generation_backend
+        print(f"off-policy generator: {DESCRIPTIONS[backend]} (--generation_backend {backend})", flush=True)
 
     # ------------------------------------------------------------------ generator lifecycle
     def train(self, *args, **kwargs):
@@ -87,7 +91,8 @@ class OffPolicyMixin:
         )  # fmt: skip
         self._rollout_worker = RolloutWorker(
             gen_model, store, params, max_async_level=args.max_async_level, strict=args.strict_async_level,
-            start_step=start, seed=args.seed, num_threads=gen_threads, autocast=self.accelerator.autocast,
+            start_step=start, seed=args.seed, backend=args.generation_backend, num_threads=gen_threads,
+            autocast=self.accelerator.autocast,
             episode_fn=self._episode_fn() if args.env else None,
         )  # fmt: skip
         self._prompt_batches = self._prompt_stream(start)

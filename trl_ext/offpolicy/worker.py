@@ -14,9 +14,10 @@ step n (0-based ``global_step``) is batch n of the prompt stream, and s is the s
 The queue and the weight snapshots live in memory only: a resumed run starts a fresh generator from the restored
 weights (version s), so no batch generated before the checkpoint is ever trained on.
 
-Sampling is the fast backend's (``trl_ext.generation``: static KV cache, fused sampling, CUDA graphs on CUDA). Behaviour
-log-probs are ``log_softmax(logits / temperature)`` of the sampled token, from the raw logits: top-k / top-p restrict
-only the distribution that is sampled from. This is what TRL's fused LM head computes for the trainer, so with
+Sampling is the sampler named by ``--generation_backend`` (``trl_ext.generation.backends``: ``trl`` transformers' own
+forward with a DynamicCache, any causal LM; ``fast`` the fast sampler, its architectures only). Behaviour log-probs are
+``log_softmax(logits / temperature)`` of the sampled token, from the raw logits: top-k / top-p restrict only the
+distribution that is sampled from. This is what TRL's fused LM head computes for the trainer, so with
 identical weights the ratio is 1 up to float error.
 """
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from trl_ext.generation.backends import make_sampler
 from trl_ext.generation.sampler import FastSampler, Sampled, SamplingParams
 from trl_ext.generation.sampling import restrict_logits
 
@@ -46,7 +48,7 @@ def sample(
     rng: torch.Generator | None,
     before_step: Callable[[int], int] | None = None,
 ) -> Sampled:
-    """One completion per prompt with the fast sampler (``trl_ext.generation``), left-padding the prompts.
+    """One completion per prompt with the fast sampler (``trl_ext.generation.sampler``), left-padding the prompts.
 
     ``before_step(t)`` is called before every forward pass (t = 0 is the prefill); it may load new weights and returns
     the version that produces token t (without it every token is version 0). Positions run 0..len-1 over the padded
@@ -158,7 +160,8 @@ class RolloutWorker:
 
     The trainer ``submit``s the prompts of batch i (rows and token ids, tokenized in the trainer thread), ``publish``es
     weights to ``store`` after every optimizer step and ``get``s batch n at step n. ``on_step(index, t)`` is a test
-    hook called in the generator thread before each forward pass.
+    hook called in the generator thread before each forward pass. ``backend`` names the sampler
+    (``trl_ext.generation.backends``: ``trl`` or ``fast``), built over ``model``.
 
     ``episode_fn(rows, sample_turn)``, when given, plays each batch as environment episodes
     (``env.episodes.play_episodes``) instead of sampling one completion per prompt: ``sample_turn(contexts)`` samples
@@ -176,6 +179,7 @@ class RolloutWorker:
         strict: bool,
         start_step: int,
         seed: int,
+        backend: str,
         num_threads: int | None = None,
         autocast: Callable[[], AbstractContextManager] = nullcontext,
         on_step: Callable[[int, int], None] | None = None,
@@ -191,7 +195,8 @@ class RolloutWorker:
         self.loaded_version: int | None = None
         self.error: BaseException | None = None
         self._params = dict(model.named_parameters())
-        self.sampler = FastSampler(model)
+        self.backend = backend
+        self.sampler = make_sampler(backend, model)
         self._jobs: dict[int, tuple[list[dict], list[list[int]]]] = {}
         self._jobs_cond = threading.Condition()
         self._stop = threading.Event()
