@@ -53,6 +53,29 @@ class CheckpointMixin:
             self.load_checkpoint_state(json.loads(state_file.read_text()) if state_file.is_file() else {})
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Full-model weights as ``from_pretrained`` reads them: transformers 5 saves some families under their hub
+        key names (GPT-NeoX's ``lm_head`` as ``embed_out``) and HF's resume loads the file non-strictly, which would
+        keep the untrained head and only log the missing key. Keys are renamed back and any key still missing or
+        unexpected (besides tied weights) is an error. PEFT, FSDP and sharded checkpoints: HF's own loader."""
+        model = self.model if model is None else model
+        safe = Path(resume_from_checkpoint) / "model.safetensors"
+        if not safe.is_file() or self.is_fsdp_enabled or hasattr(model, "peft_config"):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        import safetensors.torch
+
+        from trl_ext.routing.checkpoint import saved_to_model_keys
+
+        state = saved_to_model_keys(model, safetensors.torch.load_file(str(safe), device="cpu"))
+        result = model.load_state_dict(state, strict=False)
+        tied = set(getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or ())
+        missing = [k for k in result.missing_keys if k not in tied]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"{safe} does not fit the model: missing {missing[:5]}, unexpected "
+                               f"{result.unexpected_keys[:5]}")
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+
     # ------------------------------------------------------------------ numeric faults
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
