@@ -27,7 +27,7 @@ again, and the step costs ``invalid_penalty`` (-1, as the other environments), a
 
 SFT (``--mode sft``): ``scripted_actions`` is search (the entity's title) -> read (its page) -> answer. It is not the
 shortest play (the question names the page, so reading it directly is one turn shorter); it is the retrieval pattern
-the environment is for, and the retrieval always puts the page first (``tests/test_env_search.py``).
+the environment is for; on the default corpus the search puts the page first for every title (tested).
 """
 
 from __future__ import annotations
