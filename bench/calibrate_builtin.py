@@ -15,7 +15,6 @@ unique fraction). Goal: start < 0.3, last-20 mean >= 0.9.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -30,11 +29,10 @@ import torch  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from environments.stories import load_prompts  # noqa: E402
-from trl_ext.config import RunArgs  # noqa: E402
+from trl_ext.config import DEFAULT_PROMPT_LENGTH as PROMPT_LENGTH  # noqa: E402
 from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer  # noqa: E402
 
 HAPPY = re.compile(r"\bhappy\b", re.IGNORECASE)
-PROMPT_LENGTH = next(f.default for f in dataclasses.fields(RunArgs) if f.name == "prompt_length")
 
 
 class PlainPromptGRPOTrainer(GRPOTrainer):

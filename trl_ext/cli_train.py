@@ -16,7 +16,8 @@ from transformers import HfArgumentParser
 
 from trl_ext.models.builtin_env import BUILTIN_ENV
 from trl_ext.config import ExtGRPOConfig, RunArgs
-from trl_ext.models import STORY_MODELS, model_source, load_tokenizer, prepare_tokenizer, resolve_model_arg
+from trl_ext.data import load_run_data
+from trl_ext.models import BUILTIN_MODELS, STORY_MODELS, model_source, load_tokenizer, prepare_tokenizer, resolve_model_arg
 from trl_ext.naming import run_name
 from trl_ext.registry import ConfigError
 
@@ -31,6 +32,8 @@ class Plan:
     run_dir: Path
     argv: list[str]
     resume: Path | None = None  # the complete checkpoint a resumed run continues from (`runs.rundir.check_run_dir`)
+    train_data: object = None  # trl_ext.data.PromptData of --dataset (loaded once, at parse time)
+    eval_data: object = None  # trl_ext.data.PromptData of --eval_dataset
 
 
 def parser() -> HfArgumentParser:
@@ -63,27 +66,32 @@ def build_plan(argv: list[str]) -> Plan:
     reward_config = load_reward_config(config_path)
     for name in [run.reward] * bool(run.reward) + run.eval_reward_names:
         reward_config.reward(name)
-    check_reward_inputs(run, cfg, reward_config)
+    train_data, eval_data = load_run_data(run, cfg, BUILTIN_MODELS)  # files load here: every data error exits 2
+    check_reward_inputs(run, cfg, reward_config, train_data)
     check_run_routing(run, cfg, reward_config)  # story and --env runs alike (an env detector needs --env)
     check_run_adapters(run, cfg)  # LoRA targets and adapter layers against --model's structure (its config only)
     check_run_distill(run, cfg)
     base_args = ["--reward", run.reward] if run.reward else ["--env", cfg.env]
+    base_args += ["--dataset", run.dataset] if run.dataset else []  # compared with the default run on the same data
     default_run, default_cfg = parser().parse_args_into_dataclasses(args=base_args)
     named = run if run.reward else dataclasses.replace(run, reward=f"{cfg.mode}-{cfg.env}")
     name = cfg.run_name or run_name(named, cfg, default_run, default_cfg, adapter_tag(run, cfg))
     run_dir = Path(cfg.output_dir) / name
     cfg.run_name = name
     cfg.output_dir = str(run_dir)
-    return Plan(run=run, cfg=cfg, reward_config=reward_config, run_dir=run_dir, argv=list(argv))
+    return Plan(run=run, cfg=cfg, reward_config=reward_config, run_dir=run_dir, argv=list(argv),
+                train_data=train_data, eval_data=eval_data)
 
 
-def check_reward_inputs(run: RunArgs, cfg: ExtGRPOConfig, reward_config) -> None:
-    """The rewards' dataset columns against the prompts' (the story prompts have none but "prompt"); a reward that
-    reads more than texts cannot score --eval_baseline's text-only samples."""
+def check_reward_inputs(run: RunArgs, cfg: ExtGRPOConfig, reward_config, data=None) -> None:
+    """The rewards' dataset columns against the prompts' (``data``: --dataset's `trl_ext.data.PromptData`; the story
+    prompts have none but "prompt"); a reward that reads more than texts cannot score --eval_baseline's text-only
+    samples."""
     if cfg.env:
         return
     names = [run.reward, *run.eval_reward_names, *[cfg.base_reward] * (cfg.base_reward is not None)]
-    reward_config.check_columns(names, (), "the story prompts")
+    columns, source = (data.reward_columns, f"--dataset {data.source}") if data else ((), "the story prompts")
+    reward_config.check_columns(names, columns, source)
     if cfg.eval_baseline and reward_config.reward(run.reward).needs_context():
         raise ConfigError(f"--eval_baseline scores completion texts alone: reward binding {run.reward!r} reads "
                           "prompts or dataset columns (a TRL-signature function or a reward model)")  # fmt: skip
@@ -182,7 +190,7 @@ def run_training(plan: Plan) -> int:
         train_dataset = env_dataset(cfg.build_env(), run.num_prompts, tokenizer)
         reward_args = {"reward_funcs": [env_reward]}
     else:
-        train_dataset = load_prompts(
+        train_dataset = plan.train_data.dataset if plan.train_data is not None else load_prompts(
             prompt_source(run), tokenizer, run.prompt_length, "train", run.num_prompts, cfg.seed
         )
         reward_args = trl_reward_args(run.reward, plan.reward_config.reward(run.reward))  # a reward model: its path
@@ -193,12 +201,16 @@ def run_training(plan: Plan) -> int:
         peft_config = LoraConfig(r=run.lora_rank, lora_alpha=run.lora_alpha, task_type="CAUSAL_LM",
                                  **run.lora_targets.peft_kwargs())  # fmt: skip
     rc = plan.reward_config
-    model, routing_kwargs = routing_setup(run, cfg, rc, model_path, tokenizer, prompt_source(run))
+    for label, data in (("train", plan.train_data), ("eval", plan.eval_data)):
+        if data is not None:
+            print(f"{label} prompts: {data.describe()}", flush=True)
+    model, routing_kwargs = routing_setup(run, cfg, rc, model_path, tokenizer, prompt_source(run), plan.eval_data)
     trainer = ExtGRPOTrainer(
         model=model,
         **reward_args,
         args=cfg,
         train_dataset=train_dataset,
+        eval_dataset=plan.eval_data.dataset if plan.eval_data is not None else None,
         processing_class=tokenizer,
         peft_config=peft_config,
         eval_reward_funcs={name: rc.reward(name) for name in run.eval_reward_names},

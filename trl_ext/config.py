@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from environments.stories import BUILTIN_PROMPTS
+from trl_ext.data import DEFAULT_PROMPT_COLUMN, DEFAULT_SPLIT
 from trl_ext.distill.args import DistillArgs
 from trl_ext.env.args import EnvArgs
 from trl_ext.estimator import check_estimator_flags
@@ -27,6 +28,8 @@ from trl_ext.routing.args import RoutingArgs
 from trl_ext.sft import SFTArgs
 
 PROMPT_SOURCES = (BUILTIN_PROMPTS, "simplestories")
+DEFAULT_PROMPT_LENGTH = 8  # story prompt prefix tokens (--prompt_length unset)
+DEFAULT_NUM_PROMPTS = 2048  # story prompts drawn / --env levels (--num_prompts unset)
 DEFAULT_LORA_ALPHA = 16.0  # PEFT LoRA and explicit dual LoRA ranks; presets carry their own (routing/step.py)
 
 
@@ -52,8 +55,28 @@ class RunArgs:
             "--model builtin/builtin_mood, 'simplestories' for any other model (pass 'builtin' for checkpoints of builtin runs)."
         },
     )
-    prompt_length: int = field(default=8, metadata={"help": "Prompt prefix length in tokens."})
-    num_prompts: int = field(default=2048, metadata={"help": "Training prompts drawn (the trainer cycles them)."})
+    prompt_length: int | None = field(default=None, metadata={
+        "help": f"Story prompt prefix length in tokens (unset: {DEFAULT_PROMPT_LENGTH}); not with --dataset, whose "
+                "prompts are used as written."})
+    num_prompts: int | None = field(default=None, metadata={
+        "help": f"Training prompts (the trainer cycles them). Unset: {DEFAULT_NUM_PROMPTS} story prompts or --env "
+                "levels; every row of --dataset. With --dataset: its first N rows (more than it has is an error)."})
+    dataset: str | None = field(default=None, metadata={
+        "help": "Training prompts from a file (.jsonl, .json, .csv, .parquet), a save_to_disk directory or a hub id "
+                "(datasets.load_dataset), instead of the story prompts: the --prompt_column is TRL's prompt, every "
+                "other column reaches the reward functions as a keyword argument (trl_ext/data.py)."})
+    dataset_split: str | None = field(default=None, metadata={
+        "help": f"Split of --dataset trained on, datasets' split syntax (train, test, train[:90%]; unset: "
+                f"{DEFAULT_SPLIT!r}, a file's only split)."})
+    prompt_column: str | None = field(default=None, metadata={
+        "help": f"Column of --dataset / --eval_dataset holding the prompts (unset: {DEFAULT_PROMPT_COLUMN!r}): text, "
+                "or conversational messages (a list of {'role', 'content'} dicts; needs a chat template)."})
+    eval_dataset: str | None = field(default=None, metadata={
+        "help": "Prompts of TRL's eval loop (GRPOTrainer's eval_dataset; same formats as --dataset): needs "
+                "--eval_strategy steps|epoch, which needs it."})
+    eval_dataset_split: str | None = field(default=None, metadata={
+        "help": f"Split of --eval_dataset (unset: {DEFAULT_SPLIT!r}); when --eval_dataset is --dataset it must "
+                "differ from --dataset_split."})
     eval_rewards: str = field(
         default="",
         metadata={"help": "Comma-separated reward bindings logged on every logging step (not optimised)."},
@@ -83,10 +106,14 @@ class RunArgs:
     def __post_init__(self):
         if self.prompts is not None and self.prompts not in PROMPT_SOURCES:
             raise ConfigError(f"--prompts must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
-        if self.prompt_length < 1:
+        self.check_prompt_data()
+        if self.prompt_length is not None and self.prompt_length < 1:
             raise ConfigError(f"--prompt_length must be >= 1, got {self.prompt_length}")
-        if self.num_prompts < 1:
+        if self.num_prompts is not None and self.num_prompts < 1:
             raise ConfigError(f"--num_prompts must be >= 1, got {self.num_prompts}")
+        if self.dataset is None:  # story prompts (or --env levels): unset resolves here, consumers read numbers
+            self.prompt_length = DEFAULT_PROMPT_LENGTH if self.prompt_length is None else self.prompt_length
+            self.num_prompts = DEFAULT_NUM_PROMPTS if self.num_prompts is None else self.num_prompts
         if self.lora_rank < 0:
             raise ConfigError(f"--lora_rank must be >= 0, got {self.lora_rank}")
         if self.lora_target_modules is not None and not all(self.lora_target_names):
@@ -104,6 +131,39 @@ class RunArgs:
         if self.lora_target_modules is None:
             return None
         return [n.strip() for n in self.lora_target_modules.split(",")]
+
+    def check_prompt_data(self) -> None:
+        """--dataset / --eval_dataset flags that contradict or would be ignored; resolves the unset split and
+        column of a given dataset (the data itself is checked by train.py's build_plan, trl_ext/data.py)."""
+        if self.dataset is not None:
+            if self.prompts is not None:
+                raise ConfigError("--dataset and --prompts exclude each other (--prompts picks the story prompts)")
+            if self.prompt_length is not None:
+                raise ConfigError("--prompt_length cuts story prompts; --dataset prompts are used as written")
+        for flag, value, needs, needed in (
+            ("--dataset_split", self.dataset_split, self.dataset, "--dataset"),
+            ("--eval_dataset_split", self.eval_dataset_split, self.eval_dataset, "--eval_dataset"),
+            ("--prompt_column", self.prompt_column, self.dataset or self.eval_dataset, "--dataset or --eval_dataset"),
+        ):
+            if value is not None and needs is None:
+                raise ConfigError(f"{flag} {value} would be ignored: it needs {needed}")
+        for flag, value in (("--dataset", self.dataset), ("--eval_dataset", self.eval_dataset),
+                            ("--dataset_split", self.dataset_split), ("--eval_dataset_split", self.eval_dataset_split),
+                            ("--prompt_column", self.prompt_column)):
+            if value is not None and not value.strip():
+                raise ConfigError(f"{flag} must not be empty")
+        if self.eval_dataset is not None and self.dataset is not None and self.eval_dataset == self.dataset \
+                and (self.eval_dataset_split or DEFAULT_SPLIT) == (self.dataset_split or DEFAULT_SPLIT):
+            split = self.dataset_split or DEFAULT_SPLIT
+            raise ConfigError(f"--eval_dataset is --dataset and both use split {split!r}: the eval prompts would be "
+                              "the training prompts; pass --eval_dataset_split (e.g. test, or train[90%:] with "
+                              "--dataset_split train[:90%])")
+        if self.dataset is not None:
+            self.dataset_split = self.dataset_split or DEFAULT_SPLIT
+        if self.eval_dataset is not None:
+            self.eval_dataset_split = self.eval_dataset_split or DEFAULT_SPLIT
+        if self.dataset is not None or self.eval_dataset is not None:
+            self.prompt_column = self.prompt_column or DEFAULT_PROMPT_COLUMN
 
     @property
     def eval_reward_names(self) -> list[str]:

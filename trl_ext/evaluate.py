@@ -10,7 +10,9 @@ Diversity is measured on the completions only (``trl_ext.diversity``): unique fr
 Jaccard similarity of lower-cased word sets; ``degenerate`` when unique < ``--min_unique`` or Jaccard >
 ``--max_jaccard`` (small-rl's thresholds 0.5 / 0.7; they can miss template collapse: read the samples too).
 Prompts are held-out ("test" split) story prefixes; prompt length, prompt source, reward and sampling
-settings default to the training run's own (``run_config.yaml`` beside or above the checkpoint).
+settings default to the training run's own (``run_config.yaml`` beside or above the checkpoint). ``--dataset``
+(``--dataset_split``, ``--prompt_column``; default: the run's ``--eval_dataset``) takes ``--n_samples`` rows of a
+prompt dataset instead (``trl_ext.data``), and each reward gets the rows' columns as in training.
 Routing eval (dual LoRA): both (1,1), retain_only (1,0), forget_only (0,1) adapter scales, same prompts
 and seed (Gradient Routing, Cloud et al. 2024).
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from trl_ext.data import CONVERSATIONAL, PROMPT, eval_data_choice, has_chat_template, load_prompt_data, row_scorer
 from trl_ext.diversity import mean_pairwise_jaccard, unique_fraction
 from trl_ext.registry import ConfigError
 from trl_ext.routing.adapters import ABLATION_SCALES as ABLATION
@@ -51,6 +54,13 @@ class EvalArgs:
     prompt_source: str | None = _help("Held-out prompts of 'builtin' or a hub model id (default: the run's, as train.py "
                                       "chose them from its --prompts and --model).")
     prompt_length: int | None = _help("Prompt length in tokens (default: the run's).")
+    dataset: str | None = _help("Prompts from a dataset (a .jsonl/.json/.csv/.parquet file, a save_to_disk directory "
+                                "or a hub id: trl_ext/data.py) instead of the story prompts: --n_samples rows in an "
+                                "order shuffled by --seed, their other columns passed to the rewards as train.py "
+                                "passes them. Default: the run's --eval_dataset (and split) when it had one.")
+    dataset_split: str | None = _help("Split of --dataset (default: the run's --eval_dataset_split for its eval "
+                                      "dataset, else 'train').")
+    prompt_column: str | None = _help("Prompt column of --dataset (default: the run's --prompt_column, else 'prompt').")
     max_new_tokens: int | None = _help("Completion tokens (default: the run's max_completion_length).")
     temperature: float | None = _help("Sampling temperature (default: the run's).")
     seed: int = _help("Seed of the prompt order and of sampling.", 0)
@@ -150,6 +160,23 @@ def find_run_config(model_path: Path) -> dict | None:
     return None
 
 
+def resolve_data(args: EvalArgs, run: dict):
+    """--dataset's `trl_ext.data.PromptData` (``--n_samples`` rows shuffled by ``--seed``), or None for the story
+    prompts; ConfigError for story-prompt flags given with a dataset."""
+    choice = eval_data_choice(args.dataset, args.dataset_split, args.prompt_column, run)
+    if choice is None:
+        return None
+    for flag, value in (("--prompt_source", args.prompt_source), ("--prompt_length", args.prompt_length)):
+        if value is not None:
+            raise ConfigError(f"{flag} picks story prompts: not with a dataset ({choice[0]})")
+    data = load_prompt_data(*choice, flag="--dataset")
+    if args.n_samples > len(data.dataset):
+        raise ConfigError(f"--n_samples {args.n_samples} exceeds the {len(data.dataset)} rows of --dataset "
+                          f"{data.source} (split {data.split!r})")  # fmt: skip
+    data.dataset = data.dataset.shuffle(seed=args.seed).select(range(args.n_samples))
+    return data
+
+
 def resolve(args: EvalArgs) -> dict:
     """Everything the evaluation needs, checked before any model is loaded (ConfigError otherwise)."""
     from rewards.config import load_reward_config
@@ -173,10 +200,12 @@ def resolve(args: EvalArgs) -> dict:
         return source[key]
 
     s = {"path": path, "kind": kind, "run_config_found": bool(run_cfg),
-         "prompt_source": args.prompt_source or prompt_source(RunArgs(
-             model=pick("prompt_source", None, run, "model"), prompts=run.get("prompts"))),  # as train.py chose them
-         "prompt_length": pick("prompt_length", args.prompt_length, run, "prompt_length"),
-         "generation": {"max_new_tokens": pick("max_new_tokens", args.max_new_tokens, cfg, "max_completion_length"),
+         "data": resolve_data(args, run), "prompt_source": None, "prompt_length": None}
+    if s["data"] is None:
+        s["prompt_source"] = args.prompt_source or prompt_source(RunArgs(
+            model=pick("prompt_source", None, run, "model"), prompts=run.get("prompts")))  # as train.py chose them
+        s["prompt_length"] = pick("prompt_length", args.prompt_length, run, "prompt_length")
+    s |= {"generation": {"max_new_tokens": pick("max_new_tokens", args.max_new_tokens, cfg, "max_completion_length"),
                         "temperature": pick("temperature", args.temperature, cfg, "temperature"),
                         **{k: cfg[k] for k in SAMPLING_KEYS if k in cfg}}}  # fmt: skip
     if args.device not in ("auto", "cpu", "cuda"):
@@ -192,7 +221,10 @@ def resolve(args: EvalArgs) -> dict:
     main_reward = args.reward or run.get("reward")
     names = (n.strip() for n in [main_reward or "", *args.eval_rewards.split(",")])
     s["rewards"] = {n: rc.reward(n) for n in dict.fromkeys(n for n in names if n)}
-    rc.check_columns(list(s["rewards"]), (), "the held-out story prompts")  # rewards get prompts=, no other column
+    if s["data"] is None:
+        rc.check_columns(list(s["rewards"]), (), "the held-out story prompts")  # rewards get prompts=, no other column
+    else:
+        rc.check_columns(list(s["rewards"]), s["data"].reward_columns, f"--dataset {s['data'].source}")
     det = args.rh_detector or cfg.get("rh_detector") or (rc.default_detector(main_reward) if main_reward else None)
     s["detector"] = (det, rc.detector(det)) if det else None
     s["routing"] = kind == "dual_lora" and not args.no_routing_eval
@@ -203,6 +235,10 @@ def resolve(args: EvalArgs) -> dict:
     s["tokenizer"] = path if (path / "tokenizer_config.json").is_file() else base
     if s["tokenizer"] is None:
         raise ConfigError(f"{path} has no tokenizer (tokenizer_config.json)")
+    if s["data"] is not None and s["data"].kind == CONVERSATIONAL and Path(s["tokenizer"]).is_dir() \
+            and not has_chat_template(Path(s["tokenizer"])):
+        raise ConfigError(f"--dataset {s['data'].source} holds conversational prompts, and the tokenizer of {path} "
+                          "has no chat template")  # fmt: skip
     s["out_dir"] = Path(args.output_dir) if args.output_dir else path.resolve().parent
     return s
 
@@ -247,14 +283,22 @@ def evaluate(args: EvalArgs, s: dict) -> dict:
     model, layout = load_model(s["path"], s["kind"])
     model = model.to(device).eval()
     tokenizer = prepare_tokenizer(load_tokenizer(s["tokenizer"]))
-    prompts = list(load_prompts(s["prompt_source"], tokenizer, s["prompt_length"], "test", args.n_samples,
-                                args.seed)["prompt"])  # fmt: skip
+    data = s["data"]
+    if data is None:
+        prompts = list(load_prompts(s["prompt_source"], tokenizer, s["prompt_length"], "test", args.n_samples,
+                                    args.seed)["prompt"])  # fmt: skip
+        rewards = {n: on_prompts(fn, prompts) for n, fn in s["rewards"].items()}  # sampled one per prompt, in order
+        texts_in = prompts
+    else:  # the rows' columns reach the rewards as train.py's rewards get them (trl_ext.data.row_scorer)
+        prompts = list(data.dataset[PROMPT])
+        rewards = {n: row_scorer(fn, data, len(prompts)) for n, fn in s["rewards"].items()}
+        texts_in = prompts if data.kind != CONVERSATIONAL else [  # rendered as TRL renders chat prompts
+            tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     gen = generation_config(tokenizer, s["generation"])
     detector = s["detector"][1] if s["detector"] else None
-    rewards = {n: on_prompts(fn, prompts) for n, fn in s["rewards"].items()}  # sampled one per prompt, in order
 
     def sample() -> list[str]:
-        return sample_completions(model, tokenizer, prompts, gen, args.seed, GENERATION_BATCH)
+        return sample_completions(model, tokenizer, texts_in, gen, args.seed, GENERATION_BATCH)
 
     def summarize(texts: list[str]) -> dict:
         scores = score_completions(texts, rewards, detector)
@@ -267,7 +311,8 @@ def evaluate(args: EvalArgs, s: dict) -> dict:
     state = latest_trainer_state(s["path"])
     return {
         "model_path": str(s["path"]), "kind": s["kind"], "layout": layout, "n_samples": args.n_samples,
-        "prompts": {"source": s["prompt_source"], "split": "test", "length": s["prompt_length"]},
+        "prompts": {"source": s["prompt_source"], "split": "test", "length": s["prompt_length"]} if data is None else
+                   {"source": data.source, "split": data.split, "kind": data.kind, "columns": data.reward_columns},
         "generation": s["generation"], "seed": args.seed,
         "rh_detector": s["detector"][0] if s["detector"] else None,
         "diversity": main["diversity"], "scores": main["scores"],
@@ -283,8 +328,9 @@ def evaluate(args: EvalArgs, s: dict) -> dict:
 def print_report(report: dict, n_print: int) -> None:
     g, d = report["generation"], report["diversity"]
     print(f"checkpoint: {report['model_path']} ({report['kind']})")
-    print(f"prompts: {report['n_samples']} held-out ({report['prompts']['split']}) prompts of "
-          f"{report['prompts']['length']} tokens from {report['prompts']['source']}; generation {g}")  # fmt: skip
+    p = report["prompts"]
+    what = f"{p['kind']} prompts" if "kind" in p else f"prompts of {p['length']} tokens"
+    print(f"prompts: {report['n_samples']} held-out ({p['split']}) {what} from {p['source']}; generation {g}")
     for i, smp in enumerate(report["samples"][:n_print]):
         print(f"[sample {i + 1}] {smp['prompt']} ||| {smp['completion']}")
     print(f"diversity: unique {d['unique_fraction']:.3f} (degenerate below {d['min_unique']}), mean pairwise "

@@ -3,7 +3,13 @@
 ``{reward}_{model}_lr{lr}_b{beta}_bs{batch}_ng{generations}_{adapter}_st{steps}_s{seed}`` followed by
 ``_{field}{value}`` for every other defining field whose value differs from its default, sorted by
 field name, so two runs that differ in any value (a sweep's fixed values included) never share a
-directory. Fields that only steer logging or output are not defining (see `NOT_DEFINING`).
+directory. Fields that only steer logging or output are not defining (see `NOT_DEFINING`); the eval prompts
+(``--eval_dataset``: an ``eval_`` field) do not define the training either.
+
+A ``--dataset`` run has ``_data-{tag}`` after the model (`trl_ext.data.dataset_tag`: a file's stem, a directory's
+name, a hub id's last part; never a path with slashes), and its other fields are compared with the default run on
+the same dataset (train.py's build_plan), whose unset --num_prompts means every row. Two datasets with the same
+tag share a name: the run directory's check (`runs.rundir.check_run_dir`) then refuses the second start.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import dataclasses
 import hashlib
 import re
 from pathlib import PurePath
+
+from trl_ext.data import dataset_tag
 
 CORE_FIELDS = (
     "reward",
@@ -26,11 +34,13 @@ CORE_FIELDS = (
     "forget_rank",
     "max_steps",
     "seed",
+    "dataset",  # _data-{tag} after the model
 )
 NOT_DEFINING = {
     "output_dir", "run_name", "report_to", "no_wandb", "wandb_project", "rebuild_builtin", "eval_rewards",
     "zero_signal_patience", "num_completions_to_print", "disable_tqdm", "overwrite_output_dir",
     "resume_from_checkpoint", "overwrite_run", "generation_batch_size", "eval_routing_steps", "logging_dir",
+    "do_eval", "per_device_eval_batch_size", "num_generations_eval",  # TRL's eval loop (--eval_dataset)
 }  # fmt: skip
 NOT_DEFINING_PREFIXES = ("logging_", "log_", "save_", "hub_", "push_to_hub", "dataloader_", "eval_", "wandb_")
 MAX_NAME = 200
@@ -73,8 +83,10 @@ def changed_fields(obj, default_obj) -> dict:
 
 def run_name(run, cfg, default_run, default_cfg, adapter: str) -> str:
     """Directory name of a run (``run``: RunArgs, ``cfg``: ExtGRPOConfig, defaults to compare with)."""
+    data = f"_data-{fmt_value(dataset_tag(run.dataset))}" if getattr(run, "dataset", None) else ""
     core = (
-        f"{run.reward}_{model_tag(run.model)}_lr{fmt_value(float(cfg.learning_rate))}_b{fmt_value(float(cfg.beta))}"
+        f"{run.reward}_{model_tag(run.model)}{data}"
+        f"_lr{fmt_value(float(cfg.learning_rate))}_b{fmt_value(float(cfg.beta))}"
         f"_bs{cfg.per_device_train_batch_size}_ng{cfg.num_generations}_{adapter}_st{cfg.max_steps}_s{cfg.seed}"
     )
     extras = {**changed_fields(run, default_run), **changed_fields(cfg, default_cfg)}

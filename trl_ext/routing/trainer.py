@@ -86,10 +86,13 @@ def build_dual_lora_model(model_path: str, cfg, alpha: float, targets: tuple[str
 
 
 def routing_setup(
-    run, cfg, reward_config, model_path: str, tokenizer, prompt_source: str
+    run, cfg, reward_config, model_path: str, tokenizer, prompt_source: str, eval_data=None
 ) -> tuple[str | nn.Module, dict]:
     """(model for GRPOTrainer, RoutingMixin keyword arguments) of a validated run; ``prompt_source`` is the
-    ``load_prompts`` source of the training prompts, whose split "test" feeds the routing eval."""
+    ``load_prompts`` source of the training prompts, whose split "test" feeds the routing eval; a --dataset run's
+    routing eval takes the first --eval_routing_prompts rows of ``eval_data`` (--eval_dataset's
+    `trl_ext.data.PromptData`; text prompts, enough rows: checked at parse time by `trl_ext.data.load_run_data`),
+    each reward getting the rows' columns."""
     detector = check_run_routing(run, cfg, reward_config)
     kwargs = {"rh_detector": None if detector is None else (detector, reward_config.detector(detector))}
     if cfg.base_reward is not None:
@@ -99,7 +102,14 @@ def routing_setup(
     targets = None if run.lora_targets is None else run.lora_targets.names
     model, kwargs["dual_lora_layout"] = build_dual_lora_model(model_path, cfg, cfg.dual_lora_alpha, targets)
     kwargs["dual_lora_base"] = str(Path(model_path).resolve()) if Path(model_path).is_dir() else model_path
-    if cfg.eval_routing_steps and not cfg.env:  # env runs play held-out levels (routing.evaluation.env_routing_eval)
+    if cfg.eval_routing_steps and not cfg.env and run.dataset:
+        from trl_ext.data import PROMPT, row_scorer
+
+        n = cfg.eval_routing_prompts
+        kwargs["routing_eval_prompts"] = list(eval_data.dataset.select(range(n))[PROMPT])
+        kwargs["routing_eval_rewards"] = {name: row_scorer(reward_config.reward(name), eval_data, n)
+                                          for name in [run.reward, *run.eval_reward_names]}  # fmt: skip
+    elif cfg.eval_routing_steps and not cfg.env:  # env runs play held-out levels (routing.evaluation.env_routing_eval)
         from environments.stories import load_prompts
 
         prompts = list(load_prompts(prompt_source, tokenizer, run.prompt_length, "test", cfg.eval_routing_prompts,
