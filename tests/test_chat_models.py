@@ -2,7 +2,8 @@
 rendered by the template, distillation's context is the teacher's system message, and routing's detector reads text.
 
 The chat model is builtin_env's pretrained weights with ``trl_ext.models.tiny.CHAT_TEMPLATE`` on its tokenizer
-(`with_chat_template`). Expected prompts are rendered by hand from the template's format (``<role> content </role>``
+(`with_chat_template`); conversational ``--dataset`` rows go to the builtin story model with the ``words`` template.
+Expected prompts are rendered by hand from the template's format (``<role> content </role>``
 per message, then ``<assistant>``), not by the template, and compared as token ids. The end-to-end runs go through
 train.py's ``main`` in-process (2 steps each, batch 4): ``uv run pytest tests/test_chat_models.py``.
 """
@@ -133,8 +134,8 @@ def spy_episodes(monkeypatch) -> list[dict]:
     """Record every `play_episodes` call (synchronous rollouts and the generator thread alike)."""
     calls, play = [], episodes.play_episodes
 
-    def spy(prompts, seeds, args, tok, generate):
-        out = play(prompts, seeds, args, tok, generate)
+    def spy(prompts, *args, **kwargs):
+        out = play(prompts, *args, **kwargs)
         calls.append({"prompts": prompts, **out})
         return out
 
@@ -270,25 +271,25 @@ def test_routing_detector_reads_text(chat_model, tmp_path, monkeypatch):
         assert batch == [tok.decode(ids, skip_special_tokens=True) for ids in call["completion_ids"]]
 
 
-# ------------------------------------------------------------------------------------------- story prompts as chat
+# ------------------------------------------------------------------------------------------- conversational datasets
 def words(*messages: tuple[str, str]) -> str:
     """CHAT_TEMPLATES["words"]'s rendering, written out by hand (generation prompt included)."""
     return "".join(f"{role} , {content} ! " for role, content in messages) + "assistant , "
 
 
 @pytest.mark.slow
-def test_story_chat_prompts_routing_and_distillation(builtin_cache, tmp_path, monkeypatch):
-    """Story prompts as TRL conversational rows ([{"role": "user", ...}]) on the builtin story model with the words
-    template: TRL templates them, the routing detector reads the completions as text, and the teacher gets the context
-    as its system message."""
-    import environments.stories as stories
+def test_conversational_dataset_routing_and_distillation(builtin_cache, tmp_path, monkeypatch):
+    """``--dataset`` JSONL rows {"prompt": [{"role": "user", "content": ...}]} on the builtin story model with the
+    words template, with the generator thread (k = 1): TRL templates the prompts, the routing detector reads the
+    completions as text, and the teacher gets the context as its system message."""
+    from environments.stories import heldout_stories
     from rewards.config import RewardConfig
 
     model = str(with_chat_template("builtin", tmp_path / "chat-story", "words"))
     tok = load_tokenizer(model)
-    load = stories.load_prompts
-    monkeypatch.setattr(stories, "load_prompts", lambda *a, **k: load(*a, **k).map(
-        lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]}))
+    users = [" ".join(story.split()[:8]) for story in list(heldout_stories("train"))[:8]]
+    data = tmp_path / "stories.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": u}]}) + "\n" for u in users))
     detected, detector = [], RewardConfig.detector
 
     def spied(self, name):
@@ -303,18 +304,18 @@ def test_story_chat_prompts_routing_and_distillation(builtin_cache, tmp_path, mo
     monkeypatch.setattr(RewardConfig, "detector", spied)
     teacher = spy_teacher_prompts(monkeypatch)
     context = "a happy story ."
-    run_dir = train(["--reward", "sentence_length_5_with_happy", "--model", model, "--prompts", "builtin",
+    run_dir = train(["--reward", "sentence_length_5_with_happy", "--model", model, "--dataset", str(data),
                      "--max_completion_length", "16", "--gradient_routing", "--routing_mode", "shared", "--lora_config",
                      "r4", "--eval_routing_steps", "0", "--teacher_tau", "0.5", "--student_tau", "0.5",
-                     "--teacher_context", context], tmp_path / "runs")  # fmt: skip
+                     "--teacher_context", context, "--max_async_level", "1"], tmp_path / "runs")  # fmt: skip
     ro = load_rollouts(run_dir)
-    for row in ro:  # TRL applied the template: "user , <story prefix> ! assistant ,"
-        assert row["prompt"].startswith("user,") and row["prompt"].endswith("! assistant,")
+    student = {tok.decode(encode(tok, words(("user", u))), skip_special_tokens=True): u for u in users}
+    assert set(ro["prompt"]) <= set(student)  # TRL applied the template: "user , <row's content> ! assistant ,"
     # the detector gets each step's completions as text (the assistant messages' contents)
     assert len(detected) == 2 and all(isinstance(c, str) for batch in detected for c in batch)
     for step, batch in zip((1, 2), detected, strict=True):
         assert batch == [r["completion"] for r in ro if r["step"] == step]
-    assert len(teacher) == 2  # the context is the teacher's system message, before the user's story prefix
+    assert len(teacher) == 2  # the context is the teacher's system message, before the row's user message
     for step, rows in zip((1, 2), teacher, strict=True):
-        students = [encode(tok, r["prompt"]) for r in ro if r["step"] == step]  # "user , ... ! assistant ,"
-        assert rows == [encode(tok, f"system , {context} ! ") + ids for ids in students]
+        prompts = [student[r["prompt"]] for r in ro if r["step"] == step]
+        assert rows == [encode(tok, words(("system", context), ("user", u))) for u in prompts]
