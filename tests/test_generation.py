@@ -16,30 +16,16 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qw
 
 from trl_ext.generation.sampler import FastSampler, SamplingParams
 from trl_ext.routing.adapters import apply_dual_lora
+from reference import trainer_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22], [40, 41, 42, 43, 44], [60]]  # unequal: left padding
 EOS = 1
 
 
-def full_forward_logprobs(model, prompts, completions, temperature):
-    """Log-probs of the completions under one forward of the left-padded rows, as TRL's trainer computes them."""
-    width, length = max(map(len, prompts)), max(map(len, completions))
-    ids = torch.full((len(prompts), width + length), EOS)
-    attention = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        ids[i, width - len(p) : width + len(c)] = torch.tensor(p + c)
-        attention[i, width - len(p) : width + len(c)] = 1
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, width - 1 : -1]
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    lp = logits.log_softmax(-1).gather(2, ids[:, width:, None]).squeeze(2)
-    return [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
-
-
 def assert_logprobs_match(model, prompts, params, seed=0, tol=1e-5):
     out = FastSampler(model).sample(prompts, params, torch.Generator().manual_seed(seed))
-    ref = full_forward_logprobs(model, prompts, out.completion_ids, params.temperature)
+    ref = trainer_logprobs(model, prompts, out.completion_ids, params.temperature)
     n = 0
     for lp, r, c in zip(out.logprobs, ref, out.completion_ids, strict=True):
         assert len(lp) == len(c) >= 1 and (c[-1] in params.eos_token_ids or len(c) == params.max_new_tokens)
@@ -134,7 +120,7 @@ def fast_samples(model, temperature, top_k, top_p, seed):
 def sample_stats(model, completions):
     """(mean, standard error) over sequences of (a) the mean per-token log-prob under the model at temperature 1,
     (b) the completion length."""
-    per_seq = full_forward_logprobs(model, DIST_ROWS, completions, 1.0)
+    per_seq = trainer_logprobs(model, DIST_ROWS, completions, 1.0)
     lp = torch.tensor([sum(x) / len(x) for x in per_seq], dtype=torch.float64)
     length = torch.tensor([len(c) for c in completions], dtype=torch.float64)
     return [(t.mean().item(), t.std().item() / math.sqrt(len(t))) for t in (lp, length)]

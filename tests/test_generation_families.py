@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from trl_ext.generation.sampler import FastSampler, SamplingParams, decoder_of, fast_backend_refusal
 from trl_ext.models.tiny import tiny_config
+from reference import trainer_logprobs
 
 VOCAB, EOS = 64, 1
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22], [40, 41, 42, 43, 44], [60]] * 2  # unequal: left padding
@@ -66,26 +67,10 @@ def tiny_model(family: str, window: int | None, overrides: dict, seed: int = 0):
     return model
 
 
-def full_forward_logprobs(model, prompts, completions, temperature):
-    """Log-probs of the completions under one forward of the left-padded rows (no position ids), as TRL's trainer
-    computes them."""
-    width, length = max(map(len, prompts)), max(map(len, completions))
-    ids = torch.full((len(prompts), width + length), EOS)
-    attention = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        ids[i, width - len(p) : width + len(c)] = torch.tensor(p + c)
-        attention[i, width - len(p) : width + len(c)] = 1
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, width - 1 : -1]
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    lp = logits.log_softmax(-1).gather(2, ids[:, width:, None]).squeeze(2)
-    return [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
-
-
 def max_error(sampler, model, seed=0):
     """(largest |fast - full forward| log-prob gap, tokens compared, longest prompt + completion)."""
     out = sampler.sample(PROMPTS, PARAMS, torch.Generator().manual_seed(seed))
-    ref = full_forward_logprobs(model, PROMPTS, out.completion_ids, PARAMS.temperature)
+    ref = trainer_logprobs(model, PROMPTS, out.completion_ids, PARAMS.temperature)
     gaps = [abs(a - b) for lp, r in zip(out.logprobs, ref, strict=True) for a, b in zip(lp, r, strict=True)]
     longest = max(len(p) + len(c) for p, c in zip(PROMPTS, out.completion_ids, strict=True))
     return max(gaps), len(gaps), longest

@@ -17,6 +17,7 @@ from trl_ext.generation.hf_sampler import HFSampler
 from trl_ext.generation.sampler import FastSampler, SamplingParams
 from trl_ext.models.tiny import FAMILIES, tiny_config
 from trl_ext.routing.adapters import apply_dual_lora
+from reference import trainer_logprobs
 
 VOCAB, EOS = 64, 1
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22], [40, 41, 42, 43, 44], [60]]  # unequal: left padding
@@ -30,24 +31,6 @@ def tiny(family: str, seed: int = 0) -> torch.nn.Module:
 def params(**over) -> SamplingParams:
     base = dict(max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0, eos_token_ids=(EOS,), pad_token_id=EOS)
     return SamplingParams(**{**base, **over})
-
-
-def trainer_logprobs(model, prompts, completions, temperature, generate_positions=False):
-    """Log-probs of the completions under one forward of the left/right-padded rows as TRL's trainer runs it (input
-    ids and attention mask, no position ids: positions 0..len-1 over the padded row). ``generate_positions``: positions
-    counted from each row's first real token instead, as ``transformers.generate`` numbers them."""
-    width, length = max(map(len, prompts)), max(map(len, completions))
-    ids = torch.full((len(prompts), width + length), EOS)
-    attention = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        ids[i, width - len(p) : width + len(c)] = torch.tensor(p + c)
-        attention[i, width - len(p) : width + len(c)] = 1
-    extra = {"position_ids": (attention.cumsum(-1) - 1).clamp_min(0)} if generate_positions else {}
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention, **extra).logits[:, width - 1 : -1]
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    lp = logits.log_softmax(-1).gather(2, ids[:, width:, None]).squeeze(2)
-    return [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
 
 
 def max_diff(a, b) -> float:

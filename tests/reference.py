@@ -1,0 +1,26 @@
+"""Reference computations shared by the sampler tests (imported as ``from reference import ...``: pytest puts tests/
+on the path)."""
+
+from __future__ import annotations
+
+import torch
+
+EOS = 1
+
+
+def trainer_logprobs(model, prompts, completions, temperature, generate_positions=False):
+    """Log-probs of the completions under one forward of the left-padded rows as TRL's trainer runs it (input ids and
+    attention mask, no position ids: positions 0..len-1 over the padded row). ``generate_positions``: positions
+    counted from each row's first real token instead, as ``transformers.generate`` numbers them."""
+    width, length = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.full((len(prompts), width + length), EOS)
+    attention = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        ids[i, width - len(p) : width + len(c)] = torch.tensor(p + c)
+        attention[i, width - len(p) : width + len(c)] = 1
+    extra = {"position_ids": (attention.cumsum(-1) - 1).clamp_min(0)} if generate_positions else {}
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention, **extra).logits[:, width - 1 : -1]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    lp = logits.log_softmax(-1).gather(2, ids[:, width:, None]).squeeze(2)
+    return [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
