@@ -1,12 +1,15 @@
-"""A multi-process launch is refused before anything loads (exit 2), never run as independent copies."""
+"""Launchers: the process count they announce; eval_run.py and sweep.py refuse several processes, and train.py
+refuses, before anything loads (exit 2), every feature not yet verified on several processes (tests/test_procs.py
+runs the allowed ones). Never independent copies."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
+from trl_ext.launch.command import torchrun_command
 from trl_ext.launch.processes import check_single_process, launched_processes
 from trl_ext.registry import ConfigError
 
@@ -26,7 +29,7 @@ def test_launched_processes(env, expected):
 
 def test_check_single_process_names_the_launch():
     check_single_process("train.py", {"WORLD_SIZE": "1"})
-    with pytest.raises(ConfigError, match=r"launched as 2 processes \(WORLD_SIZE=2\).*same run directory"):
+    with pytest.raises(ConfigError, match=r"launched as 2 processes \(WORLD_SIZE=2\).*same directory"):
         check_single_process("train.py", {"WORLD_SIZE": "2"})
     with pytest.raises(ConfigError, match="not a process count"):
         check_single_process("train.py", {"WORLD_SIZE": "two"})
@@ -34,28 +37,35 @@ def test_check_single_process_names_the_launch():
 
 @pytest.mark.parametrize("cli", ["train.py", "eval_run.py", "sweep.py"])
 def test_clis_exit_2_under_a_launcher(cli, monkeypatch, capsys):
+    """eval_run.py and sweep.py run in one process; train.py refuses a feature not verified on several processes
+    while it parses (before any process group or model)."""
     import trl_ext.cli_train
     import trl_ext.evaluate
     import trl_ext.sweep
 
     main = {"train.py": trl_ext.cli_train.main, "eval_run.py": trl_ext.evaluate.main, "sweep.py": trl_ext.sweep.main}
+    argv = {"train.py": ["--reward", "happy_binary", "--save_rollouts"], "eval_run.py": ["--model_path", "x"],
+            "sweep.py": ["--reward", "happy_binary"]}  # fmt: skip
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main[cli](["--reward", "happy_binary"] if cli != "eval_run.py" else ["--model_path", "x"]) == 2
+    assert main[cli](argv[cli]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"{cli}: error: {cli} was launched as 2 processes")
+    if cli == "train.py":
+        assert err.startswith("train.py: error: --save_rollouts: saved rollouts runs on one process for now; this "
+                              "launch has 2 processes (WORLD_SIZE=2)")
+    else:
+        assert err.startswith(f"{cli}: error: {cli} was launched as 2 processes")
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_exit_nonzero_without_a_run(tmp_path):
-    """The real launcher: the first rank to parse exits 2 before loading anything (torchrun then stops the other),
-    and no run directory is written."""
+def test_torchrun_refused_feature_exits_2_without_a_run(tmp_path):
+    """The real launcher with a feature that runs on one process for now: every rank exits 2 while parsing (torchrun
+    names exit code 2 as the root cause) and no run directory is written."""
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-         "train.py", "--reward", "happy_binary", "--max_steps", "1", "--no_wandb", "--output_dir", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    cmd = torchrun_command(["train.py", "--reward", "happy_binary", "--max_async_level", "1", "--max_steps", "1",
+                            "--no_wandb", "--output_dir", str(out)])  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode != 0
-    assert "train.py: error: train.py was launched as 2 processes (WORLD_SIZE=2)" in proc.stderr
+    assert "train.py: error: --max_async_level 1: off-policy training runs on one process for now; this launch has " \
+           "2 processes (WORLD_SIZE=2)" in proc.stderr
     assert "exitcode  : 2" in proc.stderr  # torchrun's root-cause report: the refusal, not a crash
     assert not out.exists()

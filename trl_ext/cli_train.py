@@ -52,9 +52,8 @@ def build_plan(argv: list[str]) -> Plan:
     from trl_ext.distill.args import check_run_distill
     from trl_ext.routing.args import check_run_adapters, check_run_routing
 
-    from trl_ext.launch.processes import check_single_process
-
-    check_single_process("train.py")
+    # Several processes (torchrun): features not yet verified there are refused while the flags parse
+    # (config.py -> trl_ext.launch.processes); the allowed ones run as one DDP run.
     run, cfg, unknown = parser().parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         raise ConfigError(f"unknown arguments: {' '.join(unknown)} (see train.py --help)")
@@ -125,10 +124,13 @@ def prompt_source(run: RunArgs) -> str:
 
 def check_start(plan: Plan) -> Plan:
     """How the run starts in its directory (fresh, resumed, or over a run moved aside); ConfigError otherwise."""
+    from trl_ext.launch.processes import on_main
     from trl_ext.runlog import resolved_config
     from trl_ext.runs.rundir import check_run_dir
 
-    plan.resume = check_run_dir(plan.run_dir, plan.cfg.resume_from_checkpoint, plan.run.overwrite_run,
+    # The main process decides (the others would see its fresh directory as "a run already there"); every rank
+    # receives the outcome, a refusal included.
+    plan.resume = on_main(check_run_dir, plan.run_dir, plan.cfg.resume_from_checkpoint, plan.run.overwrite_run,
                                 resolved_config(plan.run, plan.cfg))
     return plan
 
@@ -166,6 +168,7 @@ def run_training(plan: Plan) -> int:
 
     from environments.stories import load_prompts
     from rewards.config import trl_reward_args
+    from trl_ext.launch.processes import barrier, describe_launch, is_main
     from trl_ext.routing.trainer import routing_setup
     from trl_ext.runlog import write_run_config
     from trl_ext.runs.faults import NumericFault
@@ -177,10 +180,16 @@ def run_training(plan: Plan) -> int:
         from trl_ext.sft import run_sft
 
         return run_sft(plan)
-    tee = open_run_dir(plan)
-    setup_wandb(plan)
+    main_process = is_main()  # only the main process writes the run directory and wandb
+    tee = open_run_dir(plan) if main_process else None
+    if main_process:
+        print(describe_launch(cfg), flush=True)
+        setup_wandb(plan)
+        write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
+    else:
+        cfg.report_to = []
+    barrier()  # the run directory exists before any rank trains
     set_seed(cfg.seed)  # adapters built before the trainer (dual LoRA) are initialised from the run's seed
-    write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
 
     model_path = model_source(run.model, rebuild=run.rebuild_builtin)
     tokenizer = prepare_tokenizer(load_tokenizer(model_path))
@@ -227,8 +236,9 @@ def run_training(plan: Plan) -> int:
         print(f"train.py: numeric fault: {e}", file=sys.stderr, flush=True)
         summary = {"status": "numeric_fault", "run_name": cfg.run_name, "error": str(e),
                    "steps": trainer.state.global_step}
-        (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
-        tee.close()
+        if main_process:
+            (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+            tee.close()
         return 1
     summary = {
         "status": "done",
@@ -237,9 +247,10 @@ def run_training(plan: Plan) -> int:
         "wall_s": round(time.time() - start, 1),
         "final_log": next((h for h in reversed(trainer.state.log_history) if "reward" in h), {}),
     }
-    (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"done: {plan.run_dir}", flush=True)
-    tee.close()
+    if main_process:
+        (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"done: {plan.run_dir}", flush=True)
+        tee.close()
     return 0
 
 

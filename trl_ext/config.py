@@ -21,6 +21,7 @@ from trl_ext.distill.args import DistillArgs
 from trl_ext.env.args import EnvArgs
 from trl_ext.estimator import check_estimator_flags
 from trl_ext.generation.trainer import GenerationArgs
+from trl_ext.launch.processes import check_cfg_processes, check_run_processes, multi_process_settings
 from trl_ext.models.arch import LoraTargets
 from trl_ext.offpolicy.args import OffPolicyArgs
 from trl_ext.registry import ConfigError
@@ -104,6 +105,7 @@ class RunArgs:
                 "{run_dir}.old-{timestamp} (nothing is deleted). Without it such a start is an error."})
 
     def __post_init__(self):
+        check_run_processes(self)  # several processes (torchrun): features not yet verified there
         if self.prompts is not None and self.prompts not in PROMPT_SOURCES:
             raise ConfigError(f"--prompts must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
         self.check_prompt_data()
@@ -220,6 +222,7 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
     )
 
     def __post_init__(self):
+        check_cfg_processes(self)  # before TrainingArguments starts a process group
         if self.resume_from_checkpoint is not None and not self.resume_from_checkpoint.strip():
             raise ConfigError("--resume_from_checkpoint needs a checkpoint path or 'latest'")
         if not self.learning_rate > 0:
@@ -242,6 +245,7 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
         self.validate_generation()
         arm = self.baseline or (self.renormalization if self.gradient_routing else None)
         check_estimator_flags(adv_estimator=self.adv_estimator, distill_on=self.distill_on, routing_arm=arm)
+        multi_process_settings(self)  # several processes on CPU: gloo, so the Trainer sees a distributed run
         try:
             super().__post_init__()
         except ValueError as e:  # TRL's own checks (e.g. generation batch not divisible by num_generations)

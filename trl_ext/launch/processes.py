@@ -1,9 +1,14 @@
-"""Refuse a multi-process launch that the trainer would not use as one run.
+"""Several processes as ONE run: what the launcher announced, the settings that make the Trainer use it, and the
+parse-time refusal of every feature not yet verified on several processes.
 
-Under ``torchrun --nproc_per_node 2 train.py`` (what ``accelerate launch`` runs on CPU) each process would otherwise
-train alone: transformers' Trainer warns that the process group is initialised but ``parallel_mode`` is not
-distributed, and both copies write train.log, checkpoints and run_summary.json into the same run directory. Until
-every extension runs on several processes, such a launch is a configuration error (exit 2), never two runs.
+Why a plain ``torchrun --nproc_per_node 2 train.py`` used to train two independent copies on CPU: transformers'
+``TrainingArguments._setup_devices`` builds accelerate's ``PartialState(cpu=use_cpu, backend=ddp_backend)``. With
+``use_cpu=False`` and no accelerator, ``PartialState._prepare_backend`` finds ``LOCAL_RANK`` set but no GPU, so the
+distributed type stays ``NO`` (MULTI_CPU is chosen only with ``cpu=True``), while ``PartialState.__init__`` still calls
+``init_process_group(backend=None)``: a process group nobody uses, ``parallel_mode`` NOT_PARALLEL, no DDP, no
+sharding of the batch, every rank "main". `multi_process_settings` sets ``use_cpu=True`` and ``ddp_backend="gloo"``
+on a machine without CUDA when the launcher started several processes; accelerate then chooses MULTI_CPU (gloo),
+``parallel_mode`` is DISTRIBUTED and the model is wrapped in DDP. With CUDA, accelerate's own MULTI_GPU path applies.
 
 Launchers announce the world size in the environment: torchrun and accelerate (``WORLD_SIZE``), Open MPI
 (``OMPI_COMM_WORLD_SIZE``), MPICH / Intel MPI (``PMI_SIZE``), Slurm's srun (``SLURM_NTASKS`` with ``SLURM_PROCID``).
@@ -11,12 +16,15 @@ Launchers announce the world size in the environment: torchrun and accelerate (`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 
 from trl_ext.registry import ConfigError
 
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+CPU_BACKEND = "gloo"  # torch.distributed's CPU backend (accelerate's MULTI_CPU default without MPI)
+ONE_PROCESS = "runs on one process for now"
 
 
 def launched_processes(environ: Mapping[str, str] | None = None) -> tuple[int, str | None]:
@@ -37,11 +45,152 @@ def launched_processes(environ: Mapping[str, str] | None = None) -> tuple[int, s
 
 
 def check_single_process(cli: str, environ: Mapping[str, str] | None = None) -> None:
-    """ConfigError when ``cli`` (e.g. "train.py") was started as one of several processes."""
+    """ConfigError when ``cli`` (eval_run.py, sweep.py: one-process CLIs) was started as one of several processes."""
     n, name = launched_processes(environ)
     if n > 1:
         raise ConfigError(
-            f"{cli} was launched as {n} processes ({name}={n}) but runs in one process: each process would train "
-            f"its own copy into the same run directory. Start it once (`uv run {cli} ...`); several processes "
-            "are not supported yet"
+            f"{cli} was launched as {n} processes ({name}={n}) but runs in one process: each process would do "
+            f"the same work into the same directory. Start it once (`uv run {cli} ...`)"
         )
+
+
+# ------------------------------------------------------------------------------------------ what runs on N processes
+def _feature_groups() -> dict[type, str]:
+    """Flag dataclasses whose every field must keep its default on several processes -> the feature's name."""
+    from trl_ext.distill.args import DistillArgs
+    from trl_ext.env.args import EnvArgs
+    from trl_ext.offpolicy.args import OffPolicyArgs
+    from trl_ext.routing.args import RoutingArgs
+    from trl_ext.sft import SFTArgs
+
+    return {RoutingArgs: "gradient routing / dual LoRA", DistillArgs: "distillation",
+            OffPolicyArgs: "off-policy training", EnvArgs: "environments", SFTArgs: "SFT mode"}  # fmt: skip
+
+
+# Single flags (ExtGRPOConfig / TrainingArguments): (field, value allowed on several processes, feature).
+CFG_FLAGS = (
+    ("generation_backend", "trl", "the fast generation backend"),
+    ("save_rollouts", False, "saved rollouts"),
+    ("resume_from_checkpoint", None, "resuming"),
+    ("use_vllm", False, "vLLM generation"),
+    ("use_transformers_continuous_batching", False, "continuous-batching generation"),
+    ("eval_strategy", "no", "TRL's eval loop"),
+)
+# RunArgs flags: (field, value allowed, feature).
+RUN_FLAGS = (
+    ("dataset", None, "--dataset prompts"),
+    ("eval_dataset", None, "--eval_dataset prompts"),
+    ("eval_rewards", "", "--eval_rewards (each process would log its own half of the batch)"),
+    ("rebuild_builtin", False, "rebuilding the builtin model (every process would rebuild it)"),
+)
+
+
+def _refusal(flag: str, value, feature: str, n: int, var: str) -> ConfigError:
+    shown = f"--{flag} {value}" if not isinstance(value, bool) else f"--{flag}"
+    return ConfigError(f"{shown}: {feature} {ONE_PROCESS}; this launch has {n} processes ({var}={n}). Start "
+                       "train.py once, without torchrun/accelerate launch, or drop the flag")
+
+
+def _plain(value) -> object:
+    return value.value if hasattr(value, "value") else value  # TrainingArguments' str enums (eval_strategy)
+
+
+def check_run_processes(run, environ: Mapping[str, str] | None = None) -> None:
+    """RunArgs features refused on several processes (ConfigError naming the flag); nothing on one process."""
+    n, var = launched_processes(environ)
+    if n == 1:
+        return
+    for flag, allowed, feature in RUN_FLAGS:
+        if getattr(run, flag) != allowed:
+            raise _refusal(flag, getattr(run, flag), feature, n, var)
+
+
+def check_cfg_processes(cfg, environ: Mapping[str, str] | None = None) -> None:
+    """ExtGRPOConfig features refused on several processes: any routing, distillation, off-policy, environment or
+    SFT flag away from its default, and `CFG_FLAGS`. Called on the parsed values, before TrainingArguments sets the
+    devices up (no process group is started for a refused launch)."""
+    n, var = launched_processes(environ)
+    if n == 1:
+        return
+    for group, feature in _feature_groups().items():
+        for f in dataclasses.fields(group):
+            if not f.init or f.default is dataclasses.MISSING:
+                continue
+            if getattr(cfg, f.name) != f.default:
+                raise _refusal(f.name, getattr(cfg, f.name), feature, n, var)
+    for flag, allowed, feature in CFG_FLAGS:
+        if _plain(getattr(cfg, flag)) != allowed:
+            raise _refusal(flag, _plain(getattr(cfg, flag)), feature, n, var)
+
+
+def multi_process_settings(cfg, environ: Mapping[str, str] | None = None, cuda: bool | None = None) -> None:
+    """On several processes without CUDA, ``use_cpu=True`` and ``ddp_backend="gloo"``: what makes accelerate pick
+    MULTI_CPU (see the module docstring). Another ``--ddp_backend`` on CPU is an error; one process: unchanged."""
+    n, _ = launched_processes(environ)
+    if n == 1:
+        return
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if cuda:
+        return  # accelerate's MULTI_GPU (nccl) path; not run on GPU here yet
+    if cfg.ddp_backend not in (None, CPU_BACKEND):
+        raise ConfigError(f"--ddp_backend {cfg.ddp_backend}: {n} processes on CPU communicate through "
+                          f"{CPU_BACKEND}")
+    cfg.use_cpu = True
+    cfg.ddp_backend = CPU_BACKEND
+
+
+# ------------------------------------------------------------------------------------------ rank roles at runtime
+def world() -> tuple[int, int]:
+    """(rank, world size) of the started process group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_main() -> bool:
+    return world()[0] == 0
+
+
+def on_main(fn, *args, **kwargs):
+    """Run ``fn`` on the main process; every rank receives its result, or raises the ConfigError it raised (so a
+    refusal decided by the main process, e.g. the run-directory check, ends every rank with exit 2, none hangs)."""
+    rank, size = world()
+    if size == 1:
+        return fn(*args, **kwargs)
+    import torch.distributed as dist
+
+    box = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", fn(*args, **kwargs))
+        except ConfigError as e:
+            box[0] = ("error", str(e))
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise ConfigError(value)
+    return value
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op on one process)."""
+    if world()[1] > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def describe_launch(cfg) -> str:
+    """train.log's header line: processes and the global batch (TRL's per_device_train_batch_size is per process)."""
+    _, n = world()
+    per, steps = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    accumulation = f" x {steps} accumulation steps" if steps > 1 else ""
+    if n == 1:
+        return f"processes: 1; batch: {per} completions per process{accumulation} = {per * steps} per optimizer step"
+    return (f"processes: {n} ({cfg.ddp_backend or 'default'} backend, DDP); batch: {per} completions per process "
+            f"x {n} processes{accumulation} = {per * n * steps} completions per optimizer step (global)")

@@ -35,6 +35,7 @@ class CheckpointMixin:
 
     def _save_checkpoint(self, model, trial, fault: str | None = None) -> None:
         super()._save_checkpoint(model, trial)
+        self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are written before the marker
         if not self.args.should_save:
             return
         ckpt = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
@@ -79,8 +80,15 @@ class CheckpointMixin:
     # ------------------------------------------------------------------ numeric faults
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if not bool(torch.isfinite(loss.detach()).all()):
-            self.numeric_fault(f"loss is {loss.detach().float().mean().item()}")
+        local_ok = bool(torch.isfinite(loss.detach()).all())
+        where = ""
+        if self.accelerator.num_processes > 1:  # every rank stops together (a rank alone would hang the others)
+            flag = torch.tensor([float(local_ok)], device=self.accelerator.device)
+            all_ok = bool(self.accelerator.reduce(flag, reduction="mean").item() == 1.0)
+            where = " on this process" if not local_ok else " on another process"
+            local_ok = all_ok
+        if not local_ok:
+            self.numeric_fault(f"loss is {loss.detach().float().mean().item()}{where}")
         return loss
 
     def _get_grad_norm(self, model, grad_norm=None):

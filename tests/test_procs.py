@@ -1,0 +1,278 @@
+"""Several processes as ONE run (torchrun, 2 CPU processes, gloo): the parse-time refusals of what is not yet verified
+there, the equivalence of 2 processes x B/2 with 1 process x B, the run directory written once, and a failing rank
+ending the whole launch.
+
+Equivalence design: sampling differs between 1 and 2 processes (each rank draws from its own generator state), so the
+completions are scripted: `ScriptedTrainer._generate_single_turn` returns token ids that are a function of the prompt
+and of the sample's position in the GLOBAL generation batch (rank x local size + local index; accelerate hands each
+rank a contiguous slice). The reward is the completion's length, which differs within a group, so every group has a
+learning signal. One optimizer step must then give the same parameters within 1e-5 (DDP averages the ranks' mean
+losses' gradients: the mean over the global batch of TRL's "grpo" loss). This file is also the driver the test
+launches (``python tests/test_procs.py equivalence OUT MODEL`` under torchrun or alone).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from trl_ext.launch.command import torchrun_command
+from trl_ext.launch.processes import (
+    check_cfg_processes, check_run_processes, describe_launch, launched_processes, multi_process_settings,
+)
+from trl_ext.registry import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+TWO = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+GLOBAL_BATCH, GROUP, LR = 8, 4, 1.0  # plain SGD (see run_equivalence)
+PROMPTS = ["Once upon a time", "There was a dog", "The sun was", "A girl named Mia"]
+
+
+# ------------------------------------------------------------------------------------------ parse-time rules (pure)
+def _parse(argv: list[str]):
+    from trl_ext.cli_train import parser
+
+    run, cfg = parser().parse_args_into_dataclasses(args=argv)
+    return run, cfg
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("gradient_routing", True, r"--gradient_routing: gradient routing / dual LoRA"),
+    ("lora_config", "r4", r"--lora_config r4: gradient routing / dual LoRA"),
+    ("eval_routing_steps", 5, r"--eval_routing_steps 5: gradient routing / dual LoRA"),
+    ("teacher_model", "builtin_mood", r"--teacher_model builtin_mood: distillation"),
+    ("max_async_level", 1, r"--max_async_level 1: off-policy training"),
+    ("mode", "sft", r"--mode sft: SFT mode"),
+    ("env", "bandit", r"--env bandit: environments"),
+    ("generation_backend", "fast", r"--generation_backend fast: the fast generation backend"),
+    ("save_rollouts", True, r"--save_rollouts: saved rollouts"),
+    ("resume_from_checkpoint", "latest", r"--resume_from_checkpoint latest: resuming"),
+    ("use_vllm", True, r"--use_vllm: vLLM generation"),
+    ("eval_strategy", "steps", r"--eval_strategy steps: TRL's eval loop"),
+])  # fmt: skip
+def test_cfg_features_refused_on_two_processes(flag, value, message):
+    """Any routing / distillation / off-policy / environment / SFT flag away from its default, and the listed
+    flags, name themselves and the feature (checked on the parsed values, before devices are set up)."""
+    _, cfg = _parse(["--reward", "happy_binary"])
+    check_cfg_processes(cfg, TWO)  # the default story run is allowed
+    setattr(cfg, flag, value)
+    check_cfg_processes(cfg, {})  # one process: every feature allowed
+    with pytest.raises(ConfigError, match=message + r" runs on one process for now; this launch has 2 processes "
+                                                    r"\(WORLD_SIZE=2\)"):
+        check_cfg_processes(cfg, TWO)
+
+
+def test_parsed_flag_refused_while_parsing(monkeypatch):
+    """ExtGRPOConfig checks before TrainingArguments starts a process group (WORLD_SIZE alone: none could start)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"--max_async_level 1: off-policy training runs on one process for now"):
+        _parse(["--reward", "happy_binary", "--max_async_level", "1"])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"dataset": "x.jsonl"}, r"--dataset x.jsonl: --dataset prompts"),
+    ({"eval_rewards": "happy_count"}, r"--eval_rewards happy_count: --eval_rewards \(each process"),
+    ({"rebuild_builtin": True}, r"--rebuild_builtin: rebuilding the builtin model"),
+])  # fmt: skip
+def test_run_features_refused_on_two_processes(kwargs, message, monkeypatch):
+    from trl_ext.config import RunArgs
+
+    RunArgs(reward="happy_binary", **kwargs)  # one process: allowed
+    monkeypatch.setenv("WORLD_SIZE", "2")  # RunArgs checks while it parses (no process group: RunArgs starts none)
+    with pytest.raises(ConfigError, match=message + r".*runs on one process for now"):
+        RunArgs(reward="happy_binary", **kwargs)
+    monkeypatch.delenv("WORLD_SIZE")
+    check_run_processes(RunArgs(reward="happy_binary"), TWO)
+
+
+def test_allowed_runs_pass_and_get_gloo():
+    """Story rewards, k = 0, full and LoRA, TRL generation: allowed; on CPU they get use_cpu + gloo, which is what
+    makes accelerate's PartialState choose MULTI_CPU (parallel_mode DISTRIBUTED) instead of an unused group."""
+    for extra in ([], ["--lora_rank", "4"], ["--generation_backend", "trl", "--beta", "0"]):
+        run, cfg = _parse(["--reward", "happy_binary", *extra])
+        check_run_processes(run, TWO)
+        check_cfg_processes(cfg, TWO)
+    assert (cfg.use_cpu, cfg.ddp_backend) == (False, None)  # one process: unchanged
+    multi_process_settings(cfg, {}, cuda=False)
+    assert (cfg.use_cpu, cfg.ddp_backend) == (False, None)
+    multi_process_settings(cfg, TWO, cuda=True)  # accelerate's MULTI_GPU path: untouched
+    assert (cfg.use_cpu, cfg.ddp_backend) == (False, None)
+    multi_process_settings(cfg, TWO, cuda=False)
+    assert (cfg.use_cpu, cfg.ddp_backend) == (True, "gloo")
+    cfg.ddp_backend = "nccl"
+    with pytest.raises(ConfigError, match="--ddp_backend nccl: 2 processes on CPU communicate through gloo"):
+        multi_process_settings(cfg, TWO, cuda=False)
+
+
+def test_header_names_processes_and_global_batch():
+    _, cfg = _parse(["--reward", "happy_binary", "--batch_size", "8", "--num_generations", "4"])
+    assert describe_launch(cfg) == "processes: 1; batch: 8 completions per process = 8 per optimizer step"
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, (1, None)), ({"WORLD_SIZE": "2"}, (2, "WORLD_SIZE")), ({"PMI_SIZE": "3"}, (3, "PMI_SIZE")),
+])  # fmt: skip
+def test_launched_processes(env, expected):
+    assert launched_processes(env) == expected
+
+
+# ------------------------------------------------------------------------------------------ the real launcher
+def torchrun(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_command(args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from trl_ext.models.tiny import build_tiny
+
+    return build_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process(tiny_llama, tmp_path):
+    """One optimizer step, full fine-tune and LoRA: 2 processes x 4 completions == 1 process x 8, within 1e-5."""
+    import torch
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = subprocess.run([sys.executable, __file__, "equivalence", str(one), str(tiny_llama)],
+                            capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = torchrun([__file__, "equivalence", str(two), str(tiny_llama)])
+    assert double.returncode == 0, double.stderr[-3000:]
+    for variant in ("full", "lora"):
+        init, a, b = (torch.load(p / f"{variant}.pt") for p in (one / "init", one, two))
+        assert a.keys() == b.keys() and a.keys() == init.keys() and len(a) > 0
+        moved = max((a[k] - init[k]).abs().max().item() for k in a)
+        assert moved > 1e-2, f"{variant}: the step did not move the parameters ({moved})"
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert worst < 1e-5, f"{variant}: 2 processes differ from 1 process by {worst}"
+
+
+@pytest.mark.slow
+def test_torchrun_train_py_is_one_run(tmp_path):
+    """`torchrun --nproc_per_node 2 train.py`: one run directory, one train.log naming 2 processes and the global
+    batch, checkpoints (each rank's RNG state, one marker), run_summary.json; exit 0."""
+    import json
+
+    out = tmp_path / "out"
+    proc = torchrun(["train.py", "--reward", "happy_binary", "--max_steps", "2", "--batch_size", "4",
+                     "--num_generations", "4", "--max_completion_length", "8", "--save_steps", "2",
+                     "--logging_steps", "1", "--no_wandb",
+                     "--output_dir", str(out)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    log = (run_dir / "train.log").read_text()
+    assert log.count("$ train.py") == 1
+    assert "processes: 2 (gloo backend, DDP); batch: 4 completions per process x 2 processes = 8 completions per " \
+           "optimizer step (global)" in log
+    assert "'num_tokens': '128'" in log  # step 1 counts both processes' 8 x (8 prompt + 8 completion) tokens
+    ckpt = run_dir / "checkpoint-2"
+    assert {"checkpoint_complete.json", "rng_state_0.pth", "rng_state_1.pth", "run_config.yaml"} <= {
+        p.name for p in ckpt.iterdir()}
+    assert json.loads((run_dir / "run_summary.json").read_text())["steps"] == 2
+    assert sorted(p.name for p in out.iterdir()) == [run_dir.name]
+
+
+BOOM = '''
+import os
+
+
+def boom(completions, trainer_state, **kwargs):
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError(f"reward exploded on rank 1 at step {trainer_state.global_step + 1}")
+    return [0.0 for _ in completions]
+'''
+
+
+@pytest.mark.slow
+def test_a_failing_rank_ends_the_launch(tmp_path):
+    """A reward that raises on rank 1 only: the launch ends non-zero within 60 s with the error named (torchrun's
+    agent stops rank 0, which waits in a collective)."""
+    (tmp_path / "boom.py").write_text(BOOM)
+    config = tmp_path / "config.yaml"
+    config.write_text(textwrap.dedent('rewards:\n  boom: {fn: "boom.py:boom"}\n'))
+    start = time.time()
+    proc = torchrun(["train.py", "--reward", "boom", "--config", str(config), "--max_steps", "2", "--batch_size", "4",
+                     "--num_generations", "4", "--max_completion_length", "8", "--no_wandb",
+                     "--output_dir", str(tmp_path / "out")], timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    assert time.time() - start < 60 + 30  # 60 s from the failure; the launch's own start-up is the rest
+    assert "reward exploded on rank 1 at step 1" in proc.stderr
+
+
+def test_refused_feature_exits_2_before_any_process_group(monkeypatch, capsys):
+    """train.py under a launcher with a refused flag: exit 2 while parsing (no process group, no model)."""
+    import torch.distributed as dist
+
+    from trl_ext.cli_train import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--reward", "happy_binary", "--max_async_level", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: error: --max_async_level 1: off-policy training runs on one process for now")
+    assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------------------------------------ the equivalence driver
+def _scripted(prompt: list[int], position: int, vocab: int, avoid: set[int]) -> list[int]:
+    """A completion that is a function of the prompt and the sample's position in its group (length 2..5)."""
+    j = position % GROUP
+    ids = [(sum(prompt) * 31 + 7 * j + 13 * t) % (vocab - 10) + 5 for t in range(2 + j)]
+    return [i + 1 if i in avoid else i for i in ids]
+
+
+def _length_reward(completions, completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def run_equivalence(out: Path, model: str) -> None:
+    """One optimizer step of full fine-tune and LoRA on ``model``; the main process saves the trainable parameters
+    (and, on one process, their initial values) to ``out``. Plain SGD, so that the step compares the gradients: Adam's
+    first step is lr * g / (|g| + eps), which turns float rounding of a near-zero gradient into up to lr differences
+    (measured: 9e-6 at lr 1e-3 for the full model)."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from trl_ext.config import ExtGRPOConfig
+    from trl_ext.trainer import ExtGRPOTrainer
+
+    class ScriptedTrainer(ExtGRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+            tok = self.processing_class
+            avoid = {tok.eos_token_id, tok.pad_token_id}
+            first = self.accelerator.process_index * len(prompt_ids)
+            return [_scripted(list(p), first + i, len(tok), avoid) for i, p in enumerate(prompt_ids)], None
+
+    torch.set_num_threads(1)
+    n = int(os.environ.get("WORLD_SIZE", "1"))
+    out.mkdir(parents=True, exist_ok=True)
+    for variant, peft in (("full", None), ("lora", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                               task_type="CAUSAL_LM"))):  # fmt: skip
+        cfg = ExtGRPOConfig(output_dir=str(out / variant), per_device_train_batch_size=GLOBAL_BATCH // n,
+                            num_generations=GROUP, max_steps=1, max_completion_length=8, learning_rate=LR,
+                            optim="sgd", report_to=[], save_strategy="no", logging_steps=1, seed=0,
+                            disable_dropout=True)  # fmt: skip
+        trainer = ScriptedTrainer(model=model, reward_funcs=[_length_reward], args=cfg, peft_config=peft,
+                                  train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}))  # fmt: skip
+        assert trainer.args.world_size == n and trainer.accelerator.num_processes == n
+        model_ = trainer.accelerator.unwrap_model(trainer.model)
+        params = lambda: {k: p.detach().clone() for k, p in model_.named_parameters() if p.requires_grad}  # noqa: E731
+        if n == 1:
+            (out / "init").mkdir(exist_ok=True)
+            torch.save(params(), out / "init" / f"{variant}.pt")
+        trainer.train()
+        if trainer.accelerator.is_main_process:
+            torch.save(params(), out / f"{variant}.pt")
+        trainer.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "equivalence":
+        run_equivalence(Path(sys.argv[2]), sys.argv[3])
