@@ -110,6 +110,15 @@ def test_allowed_runs_pass_and_get_gloo():
         multi_process_settings(cfg, TWO, cuda=False)
 
 
+def test_name_tag_and_launch_record():
+    """A 2-process run's name and run_config.yaml say so (its global batch differs from a one-process run's);
+    one-process names and configs are unchanged."""
+    from trl_ext.launch.processes import launch_record, name_tag
+
+    assert (name_tag({}), launch_record({})) == ("", None)
+    assert (name_tag(TWO), launch_record(TWO)) == ("_procs2", {"launch": {"num_processes": 2}})
+
+
 def test_header_names_processes_and_global_batch():
     _, cfg = _parse(["--reward", "happy_binary", "--batch_size", "8", "--num_generations", "4"])
     assert describe_launch(cfg) == "processes: 1; batch: 8 completions per process = 8 per optimizer step"
@@ -161,10 +170,9 @@ def test_torchrun_train_py_is_one_run(tmp_path):
     import json
 
     out = tmp_path / "out"
-    proc = torchrun(["train.py", "--reward", "happy_binary", "--max_steps", "2", "--batch_size", "4",
-                     "--num_generations", "4", "--max_completion_length", "8", "--save_steps", "2",
-                     "--logging_steps", "1", "--no_wandb",
-                     "--output_dir", str(out)])  # fmt: skip
+    args = ["train.py", "--reward", "happy_binary", "--max_steps", "2", "--batch_size", "4", "--num_generations", "4",
+            "--max_completion_length", "8", "--save_steps", "2", "--logging_steps", "1", "--no_wandb"]  # fmt: skip
+    proc = torchrun([*args, "--output_dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = out.iterdir()
     log = (run_dir / "train.log").read_text()
@@ -177,6 +185,13 @@ def test_torchrun_train_py_is_one_run(tmp_path):
         p.name for p in ckpt.iterdir()}
     assert json.loads((run_dir / "run_summary.json").read_text())["steps"] == 2
     assert sorted(p.name for p in out.iterdir()) == [run_dir.name]
+    assert run_dir.name.endswith("_procs2")
+    assert "launch:\n  num_processes: 2" in (run_dir / "run_config.yaml").read_text()
+    # One process cannot continue it (half the global batch): refused while parsing, naming the difference.
+    resume = subprocess.run([sys.executable, *args, "--output_dir", str(tmp_path / "one"), "--resume_from_checkpoint",
+                             str(ckpt)], capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert resume.returncode == 2
+    assert "num_processes: checkpoint 2, command '<absent>'" in resume.stderr
 
 
 BOOM = '''

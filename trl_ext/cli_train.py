@@ -50,6 +50,7 @@ def build_plan(argv: list[str]) -> Plan:
     """Parse ``argv`` and validate the run; raises ConfigError (argparse itself exits 2 on bad flags)."""
     from rewards.config import load_reward_config
     from trl_ext.distill.args import check_run_distill
+    from trl_ext.launch.processes import name_tag
     from trl_ext.routing.args import check_run_adapters, check_run_routing
 
     # Several processes (torchrun): features not yet verified there are refused while the flags parse
@@ -74,7 +75,7 @@ def build_plan(argv: list[str]) -> Plan:
     base_args += ["--dataset", run.dataset] if run.dataset else []  # compared with the default run on the same data
     default_run, default_cfg = parser().parse_args_into_dataclasses(args=base_args)
     named = run if run.reward else dataclasses.replace(run, reward=f"{cfg.mode}-{cfg.env}")
-    name = cfg.run_name or run_name(named, cfg, default_run, default_cfg, adapter_tag(run, cfg))
+    name = cfg.run_name or run_name(named, cfg, default_run, default_cfg, adapter_tag(run, cfg)) + name_tag()
     run_dir = Path(cfg.output_dir) / name
     cfg.run_name = name
     cfg.output_dir = str(run_dir)
@@ -124,14 +125,14 @@ def prompt_source(run: RunArgs) -> str:
 
 def check_start(plan: Plan) -> Plan:
     """How the run starts in its directory (fresh, resumed, or over a run moved aside); ConfigError otherwise."""
-    from trl_ext.launch.processes import on_main
+    from trl_ext.launch.processes import launch_record, on_main
     from trl_ext.runlog import resolved_config
     from trl_ext.runs.rundir import check_run_dir
 
     # The main process decides (the others would see its fresh directory as "a run already there"); every rank
     # receives the outcome, a refusal included.
     plan.resume = on_main(check_run_dir, plan.run_dir, plan.cfg.resume_from_checkpoint, plan.run.overwrite_run,
-                                resolved_config(plan.run, plan.cfg))
+                          resolved_config(plan.run, plan.cfg, extra=launch_record()))
     return plan
 
 
@@ -168,7 +169,7 @@ def run_training(plan: Plan) -> int:
 
     from environments.stories import load_prompts
     from rewards.config import trl_reward_args
-    from trl_ext.launch.processes import barrier, describe_launch, is_main
+    from trl_ext.launch.processes import barrier, describe_launch, is_main, launch_record
     from trl_ext.routing.trainer import routing_setup
     from trl_ext.runlog import write_run_config
     from trl_ext.runs.faults import NumericFault
@@ -185,7 +186,7 @@ def run_training(plan: Plan) -> int:
     if main_process:
         print(describe_launch(cfg), flush=True)
         setup_wandb(plan)
-        write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
+        write_run_config(plan.run_dir / "run_config.yaml", run, cfg, extra=launch_record())
     else:
         cfg.report_to = []
     barrier()  # the run directory exists before any rank trains

@@ -194,3 +194,17 @@ def describe_launch(cfg) -> str:
         return f"processes: 1; batch: {per} completions per process{accumulation} = {per * steps} per optimizer step"
     return (f"processes: {n} ({cfg.ddp_backend or 'default'} backend, DDP); batch: {per} completions per process "
             f"x {n} processes{accumulation} = {per * n * steps} completions per optimizer step (global)")
+
+
+def name_tag(environ: Mapping[str, str] | None = None) -> str:
+    """Run-name suffix of a multi-process run (``_procs2``): its global batch differs from a one-process run's with
+    the same ``--batch_size``, so the two never share a directory. Empty on one process (names unchanged)."""
+    n, _ = launched_processes(environ)
+    return f"_procs{n}" if n > 1 else ""
+
+
+def launch_record(environ: Mapping[str, str] | None = None) -> dict | None:
+    """run_config.yaml's ``launch`` section on several processes (None on one process, so that one-process configs
+    and their checkpoints are unchanged); a resume compares it like any run-defining value."""
+    n, _ = launched_processes(environ)
+    return {"launch": {"num_processes": n}} if n > 1 else None
