@@ -328,6 +328,7 @@ class Trajectory:
     done: bool = False  # the environment ended the episode
     truncated: bool = False  # max_turns ran out first
     prefill: str = ""  # the environment's ``prefill``: ends every prompt, the agent's text continues it
+    env: str = ""  # the environment's name (a mixture's episodes differ in it; empty where no one set it)
 
     def add(self, agent: str, result: StepResult) -> None:
         self.turns.append(Turn(agent, feedback_text(result), result.reward, result.info["valid"], result.info))

@@ -50,6 +50,7 @@ def build_plan(argv: list[str]) -> Plan:
     """Parse ``argv`` and validate the run; raises ConfigError (argparse itself exits 2 on bad flags)."""
     from rewards.config import load_reward_config
     from trl_ext.distill.args import check_run_distill
+    from trl_ext.env.mixture import env_tag
     from trl_ext.launch.processes import name_tag
     from trl_ext.routing.args import check_run_adapters, check_run_routing
 
@@ -74,7 +75,7 @@ def build_plan(argv: list[str]) -> Plan:
     base_args = ["--reward", run.reward] if run.reward else ["--env", cfg.env]
     base_args += ["--dataset", run.dataset] if run.dataset else []  # compared with the default run on the same data
     default_run, default_cfg = parser().parse_args_into_dataclasses(args=base_args)
-    named = run if run.reward else dataclasses.replace(run, reward=f"{cfg.mode}-{cfg.env}")
+    named = run if run.reward else dataclasses.replace(run, reward=f"{cfg.mode}-{env_tag(cfg.env)}")
     name = cfg.run_name or run_name(named, cfg, default_run, default_cfg, adapter_tag(run, cfg)) + name_tag()
     run_dir = Path(cfg.output_dir) / name
     cfg.run_name = name
@@ -195,9 +196,9 @@ def run_training(plan: Plan) -> int:
     model_path = model_source(run.model, rebuild=run.rebuild_builtin)
     tokenizer = prepare_tokenizer(load_tokenizer(model_path))
     if cfg.env:
-        from trl_ext.env.episodes import env_dataset, env_reward
+        from trl_ext.env.episodes import env_reward, mixture_dataset
 
-        train_dataset = env_dataset(cfg.build_env(), run.num_prompts, tokenizer)
+        train_dataset = mixture_dataset(cfg, run.num_prompts, tokenizer)  # one environment, or a mixture's shares
         reward_args = {"reward_funcs": [env_reward]}
     else:
         train_dataset = plan.train_data.dataset if plan.train_data is not None else load_prompts(

@@ -37,6 +37,7 @@ from trl.data_utils import is_conversational
 from rewards.bound import score, trl_context
 from trl_ext.batch import BatchFeatures, check_batch, loss_mask
 from trl_ext.distill.trainer import DistillMixin
+from trl_ext.env.episodes import episode_columns
 from trl_ext.env.trainer import EnvMixin
 from trl_ext.estimator import estimate_advantages, local_slice, weighted_rewards
 from trl_ext.generation.trainer import GenerationMixin
@@ -124,7 +125,7 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
 
     def _generate_and_score_completions(self, inputs):
         """Stages 1-5 of one generation batch (see the module docstring)."""
-        self.rollout_columns = {}
+        self.rollout_columns = episode_columns(inputs) if self.args.env else {}  # saved rollouts: env, env_seed
         self._env_rows = inputs  # the environment source reads each row's env_seed (same order as the prompts)
         batch = GRPOTrainer._generate_and_score_completions(self, inputs)  # 1 and 2
         mode = "train" if self.model.training else "eval"

@@ -1,12 +1,14 @@
 """The ``--env`` flags (`EnvArgs`, mixed into ExtGRPOConfig) and the level seeds of training and held-out levels
-(defined in ``environments.base``: the search environment splits its questions by them)."""
+(defined in ``environments.base``: the search environment splits its questions by them). ``--env`` may name a
+mixture of environments (`trl_ext.env.mixture`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from environments.base import HELDOUT_LEVELS, TRAIN_LEVELS, check_max_turns, env_class, make_env, parse_env_params
+from environments.base import HELDOUT_LEVELS, TRAIN_LEVELS, check_max_turns, env_class, make_env
 from trl_ext.advantages import ADV_ESTIMATORS
+from trl_ext.env.mixture import parse_env_spec, split_env_params
 from trl_ext.registry import ConfigError
 
 __all__ = ["EnvArgs", "HELDOUT_LEVELS", "TRAIN_LEVELS"]
@@ -17,7 +19,9 @@ class EnvArgs:
     env: str = field(
         default="",
         metadata={"help": "Train on a text environment (RAGEN): two_armed_bandit, sokoban, frozenlake, arithmetic, "
-                  "prisoners_dilemma, search. Replaces --reward: the reward is the episode's summed step rewards."},
+                  "prisoners_dilemma, search. Replaces --reward: the reward is the episode's summed step rewards. "
+                  "A mixture: names separated by commas, each with an optional integer weight, e.g. "
+                  "'frozenlake:2,sokoban,arithmetic' (shares 2:1:1 of the prompts; a group never mixes them)."},
     )  # fmt: skip
     env_params: str = field(
         default="",
@@ -25,10 +29,12 @@ class EnvArgs:
                   "e.g. 'slippery=false' or 'size=8,p_frozen=0.9' (frozenlake), 'size=7' (sokoban), "
                   "'strict=true' (any: the strict answer format, no <think> prefill), "
                   "'opponent=always_defect' or 'opponent=random' (prisoners_dilemma), "
-                  "'k=5,n_pages=200,corpus_seed=1,page_chars=300' (search). Unset: the environment's defaults."},
+                  "'k=5,n_pages=200,corpus_seed=1,page_chars=300' (search). A mixture: 'frozenlake.size=8' sets one "
+                  "environment's parameter; a bare key must be accepted by all. Unset: the environment's defaults."},
     )  # fmt: skip
     max_turns: int | None = field(
-        default=None, metadata={"help": "Turns per episode (RAGEN max_turns); default: the environment's own."}
+        default=None, metadata={"help": "Turns per episode (RAGEN max_turns), for every environment of a mixture "
+                                     "alike; default: each environment's own."}
     )
     adv_estimator: str = field(
         default="",
@@ -52,12 +58,49 @@ class EnvArgs:
                 if on:
                     raise ConfigError(f"{flag} needs --env")
             return
-        self.build_env()  # ConfigError listing the environments, or naming a bad parameter or value
+        for name in self.env_names:
+            self.build_env(name)  # ConfigError listing the environments, or naming a bad parameter or value
+        if len(self.env_names) > 1:
+            self._check_mixture()
 
-    def build_env(self):
-        """A fresh environment ``--env`` with ``--env_params``."""
-        return make_env(self.env, **parse_env_params(self.env_params))
+    def _check_mixture(self) -> None:
+        """What a mixture does not support (yet), refused before anything is loaded."""
+        refused = {
+            "--mode sft": (self.mode == "sft", "its BFS data and validation are one environment's"),
+            "gradient routing (a dual LoRA config, --rh_detector)": (
+                self.dual_lora or bool(self.rh_detector),
+                "its detectors and held-out routing eval are one environment's"),
+        }  # fmt: skip
+        for what, (on, why) in refused.items():
+            if on:
+                raise ConfigError(f"--env {self.env}: a mixture of environments does not support {what}: {why}")
+
+    @property
+    def env_mixture(self) -> list:
+        """``--env`` parsed: [`mixture.Component`] (name, weight), one for a single environment."""
+        return parse_env_spec(self.env)
+
+    @property
+    def env_names(self) -> list[str]:
+        return [c.name for c in self.env_mixture]
+
+    def build_env(self, name: str | None = None):
+        """A fresh environment ``name`` (default: the one ``--env`` names; a mixture must say which) with its
+        ``--env_params``."""
+        names = self.env_names
+        if name is None:
+            if len(names) > 1:
+                raise ValueError(f"--env {self.env} is a mixture: name the environment to build")
+            name = names[0]
+        if name not in names:
+            raise ValueError(f"environment {name!r} is not in --env {self.env}")
+        return make_env(name, **split_env_params(self.env_params, names)[name])
+
+    def env_turns(self, name: str) -> int:
+        """Turn limit of environment ``name``'s episodes: --max_turns, else the environment's own."""
+        return self.max_turns if self.max_turns is not None else env_class(name).max_turns_default
 
     @property
     def turns(self) -> int:
-        return self.max_turns if self.max_turns is not None else env_class(self.env).max_turns_default
+        """The episode loop's turn bound: the largest turn limit of --env's environments."""
+        return max(self.env_turns(name) for name in self.env_names)

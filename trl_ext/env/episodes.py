@@ -18,6 +18,9 @@
   A finished trajectory is closed with an EOS that is not trained on.
 - Reward: the sum of the episode's step rewards (invalid answers earn the environment's penalty).
 - ``--adv_estimator grpo|brpo|arpo`` replaces TRL's advantage with ``trl_ext.advantages``.
+- Mixtures (``--env frozenlake:3,arithmetic``, `trl_ext.env.mixture`): every row names its environment (column
+  ``env``, as TRL's dict ``environment_factory`` reads ``environment``); the loop builds each row's environment and
+  ends each episode at that environment's turn limit; metrics are also logged per environment (`log_episodes`).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from datasets import Dataset
+from datasets import Dataset, concatenate_datasets
 
 from environments.base import SEPARATOR, Trajectory, feedback_text, no_think_rewrite
 from trl_ext.env.args import TRAIN_LEVELS
+from trl_ext.env.mixture import mixture_counts, mixture_order
 
 _CLOSE_ANSWER = re.compile(r"<\s*/\s*answer\s*>", re.IGNORECASE)
 
@@ -45,9 +49,29 @@ def env_prompt(env, observation: str, tokenizer):
 
 
 def env_dataset(env, n: int, tokenizer, start: int = TRAIN_LEVELS) -> Dataset:
-    """``n`` rows (``prompt``, ``env_seed``) for ``env``'s levels seeded ``start .. start + n - 1``."""
+    """``n`` rows (``prompt``, ``env_seed``, ``env``: the environment's name) for ``env``'s levels seeded
+    ``start .. start + n - 1``."""
     seeds = list(range(start, start + n))
-    return Dataset.from_dict({"prompt": [env_prompt(env, env.reset(s), tokenizer) for s in seeds], "env_seed": seeds})
+    prompts = [env_prompt(env, env.reset(s), tokenizer) for s in seeds]
+    return Dataset.from_dict({"prompt": prompts, "env_seed": seeds, "env": [env.name] * n})
+
+
+def mixture_dataset(args, n: int, tokenizer, start: int = TRAIN_LEVELS) -> Dataset:
+    """``n`` rows of ``--env``'s environments (``args``: EnvArgs): environment i's `env_dataset` of
+    ``mixture_counts`` rows (its levels from ``start``), interleaved in ``mixture_order`` (`trl_ext.env.mixture`);
+    one environment: its `env_dataset`."""
+    comps = args.env_mixture
+    counts = mixture_counts([c.weight for c in comps], n)
+    parts = [env_dataset(args.build_env(c.name), k, tokenizer, start) for c, k in zip(comps, counts, strict=True)]
+    if len(parts) == 1:
+        return parts[0]
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
+    taken = [0] * len(counts)
+    index = []
+    for i in mixture_order(counts):
+        index.append(offsets[i] + taken[i])
+        taken[i] += 1
+    return concatenate_datasets(parts).select(index)
 
 
 def env_reward(completions, env_return, **kwargs) -> list[float]:
@@ -109,29 +133,32 @@ TurnSampler = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float
 two None when the sampler records none (TRL's own generation)."""
 
 
-def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSampler) -> dict:
-    """One episode per prompt on the levels ``seeds``: the multi-turn loop shared by the synchronous path (TRL's
+def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSampler, names: list[str] | None = None,
+                  ) -> dict:  # fmt: skip
+    """One episode per prompt on the levels ``seeds`` of the environments ``names`` (a mixture's rows name theirs;
+    None: ``args.build_env()``, one environment): the multi-turn loop shared by the synchronous path (TRL's
     generation, ``env_rollout``) and the asynchronous generator (``offpolicy``), which passes a sampler that records
     behaviour log-probs and policy versions. Environment tokens get log-prob 0, the version of the turn before them
-    and ``env_mask`` 0 (never trained on, never in a ratio or an IS mask).
+    and ``env_mask`` 0 (never trained on, never in a ratio or an IS mask). Each episode ends at its environment's turn
+    limit (``args.env_turns``; ``args.turns`` without names), single- and multi-turn environments in one batch.
 
     Returns ``prompt_ids``, ``completion_ids``, ``env_mask``, ``env_return``, ``logprobs`` and ``versions`` (None
     without a recording sampler) and ``trajectories``."""
-    envs = [args.build_env() for _ in seeds]
-    trajs = [Trajectory(s, e.reset(s), prefill=e.prefill) for e, s in zip(envs, seeds, strict=True)]
-    prefill = envs[0].prefill
+    envs = [args.build_env() for _ in seeds] if names is None else [args.build_env(name) for name in names]
+    limits = [args.turns] * len(seeds) if names is None else [args.env_turns(name) for name in names]
+    trajs = [Trajectory(s, e.reset(s), prefill=e.prefill, env=e.name) for e, s in zip(envs, seeds, strict=True)]
     chat = not isinstance(prompts[0], str)
     msgs = [list(p) for p in prompts] if chat else None
     prompt_ids = [
-        _encode(tok, tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) + prefill if chat else p)
-        for p in prompts
+        _encode(tok, tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) + e.prefill if chat else p)
+        for p, e in zip(prompts, envs, strict=True)
     ]
     n = len(prompts)
     completion, mask, logprobs, versions = ([[] for _ in range(n)] for _ in range(4))
     recorded = None
     closed = [False] * n
     active = list(range(n))
-    for turn in range(args.turns):
+    for turn in range(max(limits)):
         generated, lps, vers = generate([prompt_ids[i] + completion[i] for i in active])
         recorded = lps is not None if recorded is None else recorded
         for j, (i, ids) in enumerate(zip(active, generated, strict=True)):
@@ -147,8 +174,8 @@ def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSamp
             if recorded:
                 logprobs[i] += list(lps[j][: len(ids)])
                 versions[i] += list(vers[j][: len(ids)])
-            if not result.done and turn + 1 < args.turns:
-                reply = feedback_text(result)
+            if not result.done and turn + 1 < limits[i]:
+                reply, prefill = feedback_text(result), envs[i].prefill
                 if chat:
                     env_text = chat_env_text(tok, msgs[i], prefill + text, reply) + prefill
                     msgs[i] += [{"role": "assistant", "content": prefill + text}, {"role": "user", "content": reply}]
@@ -161,7 +188,7 @@ def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSamp
                 mask[i] += [0] * len(env_ids)
                 logprobs[i] += [0.0] * len(env_ids)
                 versions[i] += [versions[i][-1] if versions[i] else 0] * len(env_ids)
-        active = [i for i in active if not trajs[i].done]
+        active = [i for i in active if not trajs[i].done and turn + 1 < limits[i]]
         if not active:
             break
     eos = tok.eos_token_id
@@ -178,14 +205,48 @@ def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSamp
     }  # fmt: skip
 
 
-def log_episodes(trainer, trajs: list[Trajectory], words: tuple[str, ...]) -> None:
+def episode_columns(rows: list[dict]) -> dict[str, list]:
+    """Saved-rollout columns (`trl_ext.runs.rollouts`) of a batch's rows: ``env`` and ``env_seed``."""
+    return {"env": [r.get("env") for r in rows], "env_seed": [r["env_seed"] for r in rows]}
+
+
+def row_envs(rows: list[dict]) -> list[str] | None:
+    """Each row's environment (the dataset's ``env`` column), None for rows without one (one environment)."""
+    return [r["env"] for r in rows] if rows and "env" in rows[0] else None
+
+
+def log_words(args) -> tuple[tuple[str, ...] | None, dict[str, tuple[str, ...]] | None]:
+    """`log_episodes`'s ``words`` and ``mixture`` for ``args`` (EnvArgs)."""
+    names = args.env_names
+    if len(names) == 1:
+        return args.build_env().action_words, None
+    return None, {name: args.build_env(name).action_words for name in names}
+
+
+def log_episodes(trainer, trajs: list[Trajectory], words: tuple[str, ...] | None,
+                 mixture: dict[str, tuple[str, ...]] | None = None) -> None:  # fmt: skip
+    """Episode metrics: ``env/success``, ``env/invalid_frac``, ``env/turns`` over the batch and, with the action
+    ``words`` of one environment, ``env/first_action/<word>``. A ``mixture`` ({name: action words}) adds per
+    environment ``env/<name>/share`` (its fraction of the batch's episodes, 0 when absent) and, when the batch has
+    episodes of it, ``env/<name>/{return,success,invalid_frac,turns,first_action/<word>}`` (a step without it logs
+    none of these, so TRL's mean over a logging window averages the steps that had it)."""
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    _episode_metrics(metrics, "env", trajs, words)
+    for name, env_words in (mixture or {}).items():
+        mine = [t for t in trajs if t.env == name]
+        metrics[f"env/{name}/share"].append(len(mine) / len(trajs))  # every step: the shares sum to 1
+        if mine:
+            metrics[f"env/{name}/return"].append(sum(t.total_reward for t in mine) / len(mine))
+            _episode_metrics(metrics, f"env/{name}", mine, env_words)
+
+
+def _episode_metrics(metrics, prefix: str, trajs: list[Trajectory], words: tuple[str, ...] | None) -> None:
     n = len(trajs)
-    metrics["env/success"].append(sum(t.success for t in trajs) / n)
-    metrics["env/invalid_frac"].append(sum(t.n_invalid for t in trajs) / sum(len(t.turns) for t in trajs))
-    metrics["env/turns"].append(sum(len(t.turns) for t in trajs) / n)
-    if all(len(w) > 1 for w in words):  # action words (not arithmetic's characters): first-move frequencies
+    metrics[f"{prefix}/success"].append(sum(t.success for t in trajs) / n)
+    metrics[f"{prefix}/invalid_frac"].append(sum(t.n_invalid for t in trajs) / sum(len(t.turns) for t in trajs))
+    metrics[f"{prefix}/turns"].append(sum(len(t.turns) for t in trajs) / n)
+    if words is not None and all(len(w) > 1 for w in words):  # action words (not arithmetic's characters)
         # an action with an argument (search's "read: title") counts under its verb, the step's info["action_kind"]
         first = [t.turns[0].info.get("action_kind", t.turns[0].info["action"]) for t in trajs]
         for w in words:
-            metrics[f"env/first_action/{w}"].append(first.count(w) / n)
+            metrics[f"{prefix}/first_action/{w}"].append(first.count(w) / n)

@@ -4,19 +4,21 @@ generator thread (``offpolicy.trainer``); ``--adv_estimator`` is the estimator s
 
 from __future__ import annotations
 
-from trl_ext.env.episodes import log_episodes, play_episodes
+from trl_ext.env.episodes import log_episodes, log_words, play_episodes, row_envs
 
 
 def env_rollout(prompts: list, trainer) -> dict:
-    """TRL ``rollout_func``: play one episode per prompt (seeds from the batch rows) with TRL's generation."""
-    seeds = [row["env_seed"] for row in trainer._env_rows]
+    """TRL ``rollout_func``: play one episode per prompt (environment and level from the batch rows: ``env``,
+    ``env_seed``) with TRL's generation."""
+    rows = trainer._env_rows
+    seeds = [row["env_seed"] for row in rows]
 
     def generate(contexts):
         return trainer._generate_single_turn(contexts, None, {}, 1)[0], None, None
 
-    out = play_episodes(prompts, seeds, trainer.args, trainer.processing_class, generate)
+    out = play_episodes(prompts, seeds, trainer.args, trainer.processing_class, generate, row_envs(rows))
     trainer._env_trajectories = out.pop("trajectories")  # for an environment RH detector (RoutingMixin._detect)
-    log_episodes(trainer, trainer._env_trajectories, trainer.args.build_env().action_words)
+    log_episodes(trainer, trainer._env_trajectories, *log_words(trainer.args))
     out.pop("versions")
     return out
 

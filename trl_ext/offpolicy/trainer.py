@@ -105,12 +105,13 @@ class OffPolicyMixin:
     def _episode_fn(self):
         """``--env``: the generator thread plays each batch's episodes (``env.episodes.play_episodes``) with its own
         tokenizer copy (a fast tokenizer is not safe to share between threads)."""
-        from trl_ext.env.episodes import play_episodes
+        from trl_ext.env.episodes import play_episodes, row_envs
 
         args, tok = self.args, copy.deepcopy(self.processing_class)
 
         def episodes(rows, sample_turn):
-            return play_episodes([r["prompt"] for r in rows], [r["env_seed"] for r in rows], args, tok, sample_turn)
+            prompts, seeds = [r["prompt"] for r in rows], [r["env_seed"] for r in rows]
+            return play_episodes(prompts, seeds, args, tok, sample_turn, row_envs(rows))  # a row's env (mixtures)
 
         return episodes
 
@@ -177,11 +178,11 @@ class OffPolicyMixin:
             raise RuntimeError("prompts of the generation batch differ from the rollout's prompts")
         own = {"prompt_ids": rollout.prompt_ids, "completion_ids": rollout.completion_ids, "logprobs": rollout.logprobs}
         if self.args.env:  # episodes played by the generator thread: env_mask, env_return; metrics logged here
-            from trl_ext.env.episodes import log_episodes
+            from trl_ext.env.episodes import log_episodes, log_words
 
             extra = dict(rollout.extra)
             self._env_trajectories = extra.pop("trajectories")  # for an environment RH detector, as env_rollout
-            log_episodes(self, self._env_trajectories, self.args.build_env().action_words)
+            log_episodes(self, self._env_trajectories, *log_words(self.args))
             own.update(extra)
         self.rollout_func = lambda _prompts, _trainer: own  # TRL's hook for externally generated completions
         try:

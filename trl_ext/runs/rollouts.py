@@ -10,7 +10,8 @@ temporary file and an atomic rename. Schema (`features`; one row per completion)
 - ``reward`` (the weighted sum TRL optimises), ``reward/<name>`` per reward function, ``eval_reward/<name>`` per
   ``--eval_rewards`` binding, ``advantage`` (per sequence; the masked token mean when advantages are per token)
 - ``is_rh`` (detector label), ``is_bad`` (routing label), ``teacher_logprob_sum``, ``student_logprob_sum``,
-  ``policy_version_min`` / ``policy_version_max`` (off-policy): null where the run has no such value
+  ``policy_version_min`` / ``policy_version_max`` (off-policy), ``env`` / ``env_seed`` (``--env`` runs: the
+  episode's environment and level; a mixture's groups each hold one environment): null where the run has no such value
 - ``completion_tokens`` (tokens in the loss mask)
 
 Read them with ``load_rollouts(run_dir, step)`` or ``uv run python -m trl_ext.runs.rollouts RUN_DIR --step N``.
@@ -30,7 +31,8 @@ import torch
 ROLLOUT_DIR = "rollouts"
 _SHARD = re.compile(r"^step-(\d+)-rank(\d+)\.parquet$")
 OPTIONAL_COLUMNS = {"is_rh": "bool", "is_bad": "bool", "teacher_logprob_sum": "float64",
-                    "student_logprob_sum": "float64", "policy_version_min": "int64", "policy_version_max": "int64"}
+                    "student_logprob_sum": "float64", "policy_version_min": "int64", "policy_version_max": "int64",
+                    "env": "string", "env_seed": "int64"}
 
 
 def features(reward_names: list[str], eval_names: list[str]):
