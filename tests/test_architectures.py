@@ -142,7 +142,7 @@ MODES = {
     "routed": ["--gradient_routing", "--routing_mode", "shared", "--lora_config", "r4", "--rh_detector", "happy",
                "--eval_routing_steps", "0", "--save_adapter_only"],
     "fast": ["--generation_backend", "fast"],
-    "k1": ["--max_async_level", "1"],
+    "k1": ["--max_async_level", "1", "--disable_dropout"],  # GPT-2's dropout: refused without it (below)
 }
 # A reward that random completions spread (a sentence's word count), so every cell gets nonzero advantages and its
 # weights move; the routed cells add the "happy" detector.
@@ -284,3 +284,11 @@ def test_sft_lora_on_gpt2_merges_conv1d(tmp_path):
              for a, b in zip(block_linears(x).values(), block_linears(y).values())]
     assert len(moved) == 8 and all(moved)
     assert torch.equal(before.transformer.wte.weight, after.transformer.wte.weight)
+
+
+def test_offpolicy_with_active_dropout_exits_2(tiny_models, train_cli_error):
+    """GPT-2's config has dropout 0.1: the generator samples without it, the trainer's forward applies it, so the
+    lag-0 importance ratio would not be 1. Refused at parse time unless --disable_dropout."""
+    err = train_cli_error("--model", str(tiny_models["gpt2"]), "--prompts", "builtin", "--reward", REWARD,
+                          "--max_async_level", "1")  # fmt: skip
+    assert "active dropout (transformer.drop" in err and "pass --disable_dropout" in err

@@ -71,6 +71,8 @@ def build_plan(argv: list[str]) -> Plan:
     check_reward_inputs(run, cfg, reward_config, train_data)
     check_run_routing(run, cfg, reward_config)  # story and --env runs alike (an env detector needs --env)
     check_run_adapters(run, cfg)  # LoRA targets and adapter layers against --model's structure (its config only)
+    check_generation_backend(run, cfg)
+    check_offpolicy_dropout(run, cfg)
     check_run_distill(run, cfg)
     base_args = ["--reward", run.reward] if run.reward else ["--env", cfg.env]
     base_args += ["--dataset", run.dataset] if run.dataset else []  # compared with the default run on the same data
@@ -96,6 +98,42 @@ def check_reward_inputs(run: RunArgs, cfg: ExtGRPOConfig, reward_config, data=No
     if cfg.eval_baseline and reward_config.reward(run.reward).needs_context():
         raise ConfigError(f"--eval_baseline scores completion texts alone: reward binding {run.reward!r} reads "
                           "prompts or dataset columns (a TRL-signature function or a reward model)")  # fmt: skip
+
+
+def check_generation_backend(run: RunArgs, cfg: ExtGRPOConfig) -> None:
+    """``--generation_backend fast`` (synchronous runs and the off-policy generator alike) on an architecture it
+    computes exactly, read from ``--model``'s config alone (`generation.families.fast_backend_refusal`)."""
+    if cfg.generation_backend != "fast":
+        return
+    from trl_ext.generation.families import fast_backend_refusal
+    from trl_ext.models.arch import model_config
+
+    reason = fast_backend_refusal(model_config(run.model, cfg.trust_remote_code), disable_dropout=cfg.disable_dropout)
+    if reason is not None:
+        raise ConfigError(f"--generation_backend fast: {reason}")
+
+
+def check_offpolicy_dropout(run: RunArgs, cfg: ExtGRPOConfig) -> None:
+    """With ``--max_async_level >= 1`` the generator samples without dropout while the trainer's forward (training
+    mode) applies it: the importance ratio would differ from 1 at lag 0 and the masks would drop tokens for no lag.
+    Module dropouts (GPT-2's ``resid_pdrop`` ...) need ``--disable_dropout`` (TRL zeroes them); a functional attention
+    dropout (``attention_dropout``, which ``--disable_dropout`` leaves on) must be 0 in the model's config."""
+    if cfg.max_async_level < 1:
+        return
+    from trl_ext.generation.families import FUNCTIONAL_DROPOUTS
+    from trl_ext.models.arch import architecture_of, model_config
+
+    config = model_config(run.model, cfg.trust_remote_code)
+    functional = [f"{k}={getattr(config, k)}" for k in FUNCTIONAL_DROPOUTS if getattr(config, k, 0.0)]
+    if functional:
+        raise ConfigError(f"--max_async_level >= 1: --model's config sets {', '.join(functional)}, which the trainer's "
+                          "forward applies and the generator does not (the importance ratio would not be 1 at lag 0; "
+                          "--disable_dropout does not reach it): set it to 0 in the model's config.json")
+    modules = () if cfg.disable_dropout else architecture_of(config).dropouts
+    if modules:
+        raise ConfigError(f"--max_async_level >= 1: --model has active dropout ({', '.join(modules[:3])}"
+                          f"{', ...' if len(modules) > 3 else ''}), which the trainer's forward applies and the "
+                          "generator does not (the importance ratio would not be 1 at lag 0): pass --disable_dropout")
 
 
 def check_env_run(run: RunArgs, cfg: ExtGRPOConfig) -> None:

@@ -182,6 +182,9 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
     per_device_train_batch_size: int = field(
         default=32, metadata={"help": "Completions per optimizer step and device.", "aliases": ["--batch_size"]}
     )
+    per_device_eval_batch_size: int = field(
+        default=32, metadata={"help": "Completions per eval step and device (TRL's 8 is not a multiple of the 16 "
+                              "generations; with --eval_dataset each eval prompt gets num_generations completions)."})
     num_generations: int = field(
         default=16, metadata={"help": "Completions per prompt (group size; RAGEN's n_rollout).", "aliases": ["--n_rollout"]}
     )
@@ -249,7 +252,8 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
         try:
             super().__post_init__()
         except ValueError as e:  # TRL's own checks (e.g. generation batch not divisible by num_generations)
-            raise ConfigError(f"{e} (--batch_size is per_device_train_batch_size)") from e
+            alias = " (--batch_size is per_device_train_batch_size)" if "per_device_train_batch_size" in str(e) else ""
+            raise ConfigError(f"{e}{alias}") from e
 
 
 def _cuda_available() -> bool:

@@ -90,6 +90,7 @@ class Architecture:
     linears: tuple[tuple[str, str], ...]  # (path inside a block, "Linear" | "Conv1D"), in module order
     outside: tuple[str, ...]  # paths of the linear layers outside the blocks (LM head, ...)
     has_mlp: bool  # every block has an ``.mlp`` submodule (MLP adapters wrap it)
+    dropouts: tuple[str, ...] = ()  # paths of the nn.Dropout modules with p > 0 (active in training mode)
 
     @property
     def default_targets(self) -> tuple[str, ...]:
@@ -129,7 +130,8 @@ def architecture(model: nn.Module) -> Architecture:
                     for p, m in block_linears(blocks[0]).items())
     outside = tuple(p for p, m in model.named_modules() if isinstance(m, LINEAR_TYPES) and id(m) not in inside)
     has_mlp = all(isinstance(getattr(b, "mlp", None), nn.Module) for b in blocks)
-    return Architecture(model.config.model_type, path, len(blocks), linears, outside, has_mlp)
+    dropouts = tuple(p for p, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0)
+    return Architecture(model.config.model_type, path, len(blocks), linears, outside, has_mlp, dropouts)
 
 
 def architecture_of(config) -> Architecture:
