@@ -166,7 +166,8 @@ def test_two_processes_equal_one_process(tiny_llama, tmp_path):
 @pytest.mark.slow
 def test_torchrun_train_py_is_one_run(tmp_path):
     """`torchrun --nproc_per_node 2 train.py`: one run directory, one train.log naming 2 processes and the global
-    batch, checkpoints (each rank's RNG state, one marker), run_summary.json; exit 0."""
+    batch, checkpoints (each rank's RNG state, one marker), run_summary.json; exit 0. Then the run-directory guard
+    (decided by the main process) and the process count on resume."""
     import json
 
     out = tmp_path / "out"
@@ -187,6 +188,11 @@ def test_torchrun_train_py_is_one_run(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [run_dir.name]
     assert run_dir.name.endswith("_procs2")
     assert "launch:\n  num_processes: 2" in (run_dir / "run_config.yaml").read_text()
+    # The same launch again: the main process finds the run and every rank receives its refusal (exit 2, none
+    # waits; torchrun may stop the second rank before it prints).
+    again = torchrun([*args, "--output_dir", str(out)])
+    assert again.returncode != 0 and "exitcode  : 2" in again.stderr
+    assert f"train.py: error: {run_dir} already holds a run" in again.stderr
     # One process cannot continue it (half the global batch): refused while parsing, naming the difference.
     resume = subprocess.run([sys.executable, *args, "--output_dir", str(tmp_path / "one"), "--resume_from_checkpoint",
                              str(ckpt)], capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
