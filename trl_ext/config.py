@@ -22,6 +22,7 @@ from trl_ext.env.args import EnvArgs
 from trl_ext.estimator import check_estimator_flags
 from trl_ext.generation.trainer import GenerationArgs
 from trl_ext.launch.processes import check_cfg_processes, check_run_processes, multi_process_settings
+from trl_ext.launch.sharding import check_cfg_sharding
 from trl_ext.models.arch import LoraTargets
 from trl_ext.offpolicy.args import OffPolicyArgs
 from trl_ext.registry import ConfigError
@@ -226,6 +227,7 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
 
     def __post_init__(self):
         check_cfg_processes(self)  # before TrainingArguments starts a process group
+        check_cfg_sharding(self)  # FSDP / DeepSpeed: only the plain runs, until the features are verified there
         if self.resume_from_checkpoint is not None and not self.resume_from_checkpoint.strip():
             raise ConfigError("--resume_from_checkpoint needs a checkpoint path or 'latest'")
         if not self.learning_rate > 0:

@@ -105,22 +105,30 @@ def check_run_processes(run, environ: Mapping[str, str] | None = None) -> None:
             raise _refusal(flag, getattr(run, flag), feature, n, var)
 
 
-def check_cfg_processes(cfg, environ: Mapping[str, str] | None = None) -> None:
-    """ExtGRPOConfig features refused on several processes: any routing, distillation, off-policy, environment or
-    SFT flag away from its default, and `CFG_FLAGS`. Called on the parsed values, before TrainingArguments sets the
-    devices up (no process group is started for a refused launch)."""
-    n, var = launched_processes(environ)
-    if n == 1:
-        return
+def unverified_feature(cfg) -> tuple[str, object, str] | None:
+    """(flag, value, feature) of the first ExtGRPOConfig feature not yet verified beyond one plain process (any
+    routing, distillation, off-policy, environment or SFT flag away from its default, and `CFG_FLAGS`); None."""
     for group, feature in _feature_groups().items():
         for f in dataclasses.fields(group):
             if not f.init or f.default is dataclasses.MISSING:
                 continue
             if getattr(cfg, f.name) != f.default:
-                raise _refusal(f.name, getattr(cfg, f.name), feature, n, var)
+                return f.name, getattr(cfg, f.name), feature
     for flag, allowed, feature in CFG_FLAGS:
         if _plain(getattr(cfg, flag)) != allowed:
-            raise _refusal(flag, _plain(getattr(cfg, flag)), feature, n, var)
+            return flag, _plain(getattr(cfg, flag)), feature
+    return None
+
+
+def check_cfg_processes(cfg, environ: Mapping[str, str] | None = None) -> None:
+    """ExtGRPOConfig features refused on several processes (`unverified_feature`). Called on the parsed values,
+    before TrainingArguments sets the devices up (no process group is started for a refused launch)."""
+    n, var = launched_processes(environ)
+    if n == 1:
+        return
+    found = unverified_feature(cfg)
+    if found is not None:
+        raise _refusal(*found, n, var)
 
 
 def multi_process_settings(cfg, environ: Mapping[str, str] | None = None, cuda: bool | None = None) -> None:
