@@ -22,11 +22,16 @@ resume, see ``trl_ext.runs``); one with no complete checkpoint, or every unfinis
 Logs: train.py tees its output to ``{run_dir}/train.log``; the child's terminal output (all of it, errors
 raised before the tee starts included) goes to ``{sweep_dir}/logs/{run}.log``: one writer per file.
 A run that exits non-zero or leaves no "done" summary is FAILED, with its log tail; the others go on.
+
+Several machines: ``--shard K/N`` (or ``--shard env``: a Slurm job array's task) runs the K-th of N slices of the
+plan (``sweep_plan.shard_runs``), in the sweep directory every shard shares; a shard's files are named for it
+(``sweep.shardKofN.yaml``, ``summary.shardKofN.*``), and ``--summarize`` merges them and the run directories into
+``summary.*`` (``trl_ext.sweep_summary``). Several processes per run: ``--procs_per_run N`` launches each run with
+torchrun on its own rendezvous port, validated and named (``_procsN``) at plan time as train.py does under torchrun.
 """
 
 from __future__ import annotations
 
-import csv
 import fcntl
 import itertools
 import json
@@ -35,6 +40,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -45,14 +51,14 @@ import yaml
 
 from trl_ext.registry import ConfigError
 from trl_ext.runs.checkpoints import latest_complete
-from trl_ext.sweep_plan import PlannedRun, build_spec, plan_runs, sweep_dir_for
+from trl_ext.sweep_plan import PlannedRun, build_spec, parse_shard, plan_runs, shard_runs, sweep_dir_for
+from trl_ext.sweep_summary import (RunResult, fill_metrics, is_done, merge_results, shard_suffix, summary_table,
+                                   write_summary)  # fmt: skip
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train.py"
 DEFAULT_PER_GPU = 1
 MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
 POLL_S = 0.5
-SUMMARY_COLUMNS = ("label", "status", "launched", "steps", "reward", "kl", "wall_s", "train_s", "returncode",
-                   "device", "name", "run_dir")  # fmt: skip
 
 
 def _help(text: str, default=None, factory=None):
@@ -79,6 +85,13 @@ class SweepArgs:
     restart_unfinished: bool = _help("Restart unfinished runs from scratch (their directories are moved to "
                                      "{sweep dir}/incomplete/) instead of resuming them from their latest checkpoint.",
                                      False)
+    shard: str | None = _help("Run only the K-th of N slices of the planned runs, K/N (runs whose place in the plan "
+                              "is K-1 modulo N), so that N machines cover the grid; 'env' reads a Slurm job "
+                              "array's task (SLURM_ARRAY_TASK_ID/MIN/MAX/COUNT). Summaries: summary.shardKofN.*.")
+    summarize: bool = _help("Launch nothing: merge every shard's summary and the run directories of the whole "
+                            "grid into {sweep dir}/summary.* (exit 0 when every run is done, 1 otherwise).", False)
+    procs_per_run: int = _help("Processes per run: >1 launches each run with torchrun (python -m "
+                               "torch.distributed.run --nproc_per_node N), one GPU per process with GPUs.", 1)
     status_every: float = _help("Seconds between live status lines.", 30.0)
     log_tail: int = _help("Lines of a failed run's log kept in the summary.", 20)
 
@@ -87,21 +100,33 @@ class SweepArgs:
 @dataclass
 class Resources:
     gpus: list[str]  # CUDA_VISIBLE_DEVICES ids; empty = CPU slots
-    per_slot: int  # concurrent runs per GPU, or CPU slots
-    threads: int  # torch threads per child
+    per_slot: int  # concurrent runs per GPU (per GPU group with several processes), or CPU slots
+    threads: int  # torch threads per process
     mps: str | None  # MPS pipe directory when its daemon runs
+    procs: int = 1  # processes per run (torchrun); with GPUs, one GPU each
+
+    @property
+    def devices(self) -> list[str]:
+        """Slot keys: ``procs`` GPU ids per group (a run's CUDA_VISIBLE_DEVICES; leftover GPUs stay idle), or cpu."""
+        n = self.procs
+        return [",".join(self.gpus[i * n:(i + 1) * n]) for i in range(len(self.gpus) // n)] if self.gpus else ["cpu"]
 
     @property
     def capacity(self) -> int:
-        return self.per_slot * max(1, len(self.gpus))
+        return self.per_slot * len(self.devices)
 
     def describe(self) -> str:
+        unit = "run" if self.procs == 1 else "process"
+        procs = f", {self.procs} processes per run (torchrun)" if self.procs > 1 else ""
         if not self.gpus:
-            return f"{self.per_slot} CPU slots, {self.threads} torch thread(s) per run"
+            return f"{self.per_slot} CPU slots{procs}, {self.threads} torch thread(s) per {unit}"
         mps = f"MPS active ({self.mps})" if self.mps else (
             "MPS not running: runs sharing a GPU time-slice (start it: nvidia-cuda-mps-control -d)")
-        return (f"{len(self.gpus)} GPU(s) [{','.join(self.gpus)}] x {self.per_slot} runs, {mps}, "
-                f"{self.threads} CPU thread(s) per run")  # fmt: skip
+        groups = f" in {len(self.devices)} group(s) [{' '.join(self.devices)}]" if self.procs > 1 else ""
+        idle = len(self.gpus) - self.procs * len(self.devices)
+        idle = f", {idle} GPU(s) idle" if idle else ""
+        return (f"{len(self.gpus)} GPU(s) [{','.join(self.gpus)}]{groups} x {self.per_slot} runs{procs}{idle}, "
+                f"{mps}, {self.threads} CPU thread(s) per {unit}")  # fmt: skip
 
 
 def visible_gpus(env: dict) -> list[str]:
@@ -122,25 +147,34 @@ def mps_pipe(env: dict) -> str | None:
 
 
 def resolve_resources(args: SweepArgs, env: dict, cpus: int) -> Resources:
+    """Slots and threads. ``--procs_per_run N`` counts N processes per run: N GPUs per run (one per process, as
+    accelerate's DDP places them), or N cores per CPU slot (default slots: cores // N)."""
+    procs = args.procs_per_run
+    if procs < 1:
+        raise ConfigError(f"--procs_per_run must be >= 1, got {procs}")
     gpus = visible_gpus(env)
+    if gpus and len(gpus) < procs:
+        raise ConfigError(f"--procs_per_run {procs} gives each run {procs} GPUs (one per process); "
+                          f"{len(gpus)} visible")  # fmt: skip
     if gpus and args.parallel is not None:
         raise ConfigError(f"--parallel is for machines without GPU; {len(gpus)} visible (use --per_gpu, or "
                           "CUDA_VISIBLE_DEVICES= to train on CPU)")  # fmt: skip
     if not gpus and args.per_gpu is not None:
         raise ConfigError("--per_gpu needs a visible GPU and there is none; use --parallel")
     per_slot = (DEFAULT_PER_GPU if args.per_gpu is None else args.per_gpu) if gpus else (
-        cpus if args.parallel is None else args.parallel)
+        max(1, cpus // procs) if args.parallel is None else args.parallel)
     if per_slot < 1:
         raise ConfigError(f"--per_gpu / --parallel must be >= 1, got {per_slot}")
-    capacity = per_slot * max(1, len(gpus))
-    return Resources(gpus, per_slot, max(1, cpus // capacity), mps_pipe(env) if gpus else None)
+    res = Resources(gpus, per_slot, 1, mps_pipe(env) if gpus else None, procs)
+    res.threads = max(1, cpus // (res.capacity * procs))
+    return res
 
 
 class Slots:
     """Where the next child runs: the least-loaded GPU with a free slot (ties: first listed), or a CPU slot."""
 
     def __init__(self, res: Resources):
-        self.load = dict.fromkeys(res.gpus or ["cpu"], 0)
+        self.load = dict.fromkeys(res.devices, 0)
         self.limit = res.per_slot
 
     def acquire(self) -> str | None:
@@ -165,47 +199,6 @@ def child_env(base: dict, res: Resources, dev: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ running
-@dataclass
-class RunResult:
-    label: str
-    name: str
-    run_dir: str
-    status: str  # done | FAILED | BUSY | INTERRUPTED | NOT_STARTED
-    launched: bool
-    steps: int | None = None
-    reward: float | None = None
-    kl: float | None = None
-    wall_s: float | None = None  # process wall time seen by this sweep
-    train_s: float | None = None  # trainer.train() wall time (run_summary.json)
-    returncode: int | None = None
-    device: str | None = None
-    log: str | None = None
-    log_tail: list[str] = field(default_factory=list)
-
-
-def is_done(run_dir: Path) -> bool:
-    path = run_dir / "run_summary.json"
-    return path.is_file() and json.loads(path.read_text()).get("status") == "done"
-
-
-def fill_metrics(result: RunResult) -> RunResult:
-    """Steps, final reward and KL: from run_summary.json when done, else from the newest checkpoint."""
-    from trl_ext.evaluate import latest_trainer_state
-
-    run_dir = Path(result.run_dir)
-    if is_done(run_dir):
-        summary = json.loads((run_dir / "run_summary.json").read_text())
-        result.steps, result.train_s, last = summary["steps"], summary["wall_s"], summary["final_log"]
-    elif (state_path := latest_trainer_state(run_dir)) is not None:
-        state = json.loads(state_path.read_text())
-        result.steps = state["global_step"]
-        last = next((h for h in reversed(state["log_history"]) if "reward" in h), {})
-    else:
-        return result
-    result.reward, result.kl = last.get("reward"), last.get("kl")
-    return result
-
-
 def _tail(path: Path, n: int) -> list[str]:
     with open(path, "rb") as f:
         f.seek(max(0, f.seek(0, 2) - 65536))
@@ -240,6 +233,7 @@ class _Active:
     lock: int
     log: Path
     t0: float
+    port: int | None = None  # torchrun's rendezvous port (several processes)
 
 
 def _say(msg: str) -> None:
@@ -247,12 +241,14 @@ def _say(msg: str) -> None:
 
 
 def execute(runs: list[PlannedRun], sweep_dir: Path, res: Resources, status_every: float, log_tail: int,
-            say=_say, restart: bool = False) -> tuple[list[RunResult], bool]:  # fmt: skip
+            say=_say, restart: bool = False, shard: tuple | None = None) -> tuple[list[RunResult], bool]:  # fmt: skip
     """Run (or skip) every planned run; returns the results in plan order and whether it was interrupted."""
     results: dict[str, RunResult] = {}
+    shard_label = f"{shard[0]}/{shard[1]}" if shard else None
 
     def record(run, status, launched, **kw):
-        results[run.name] = fill_metrics(RunResult(run.label, run.name, str(run.run_dir), status, launched, **kw))
+        result = RunResult(run.label, run.name, str(run.run_dir), status, launched, shard=shard_label, **kw)
+        results[run.name] = fill_metrics(result)
 
     queue, active, slots, interrupted = [], {}, Slots(res), False
     for run in runs:
@@ -267,7 +263,7 @@ def execute(runs: list[PlannedRun], sweep_dir: Path, res: Resources, status_ever
         while queue or active:
             while queue and (dev := slots.acquire()) is not None:
                 run = queue.pop(0)
-                started = _start(run, dev, sweep_dir, res, say, restart)
+                started = _start(run, dev, sweep_dir, res, say, restart, {a.port for a in active.values()})
                 if isinstance(started, _Active):
                     active[run.name] = started
                     continue
@@ -316,7 +312,39 @@ def execute(runs: list[PlannedRun], sweep_dir: Path, res: Resources, status_ever
     return [results[r.name] for r in runs], interrupted
 
 
-def _start(run: PlannedRun, dev: str, sweep_dir: Path, res: Resources, say, restart: bool = False) -> _Active | str:
+def free_port(taken: set) -> int:
+    """A TCP port free on this machine now (the OS picks it) and not held by another running run of this sweep:
+    torchrun's rendezvous port (``--master_port``), one per concurrent multi-process run."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in taken:
+            return port
+
+
+def train_command(argv: list[str], procs: int = 1, port: int | None = None) -> list[str]:
+    """``python train.py ARGV``; several processes: ``python -m torch.distributed.run --nproc_per_node N
+    --master_port PORT train.py ARGV`` (torchrun: what accelerate launch runs for DDP; on CPU ``accelerate launch
+    --cpu`` starts one process only, see README "Several processes and GPUs")."""
+    if procs == 1:
+        return [sys.executable, str(TRAIN_SCRIPT), *argv]
+    if port is None:
+        raise ValueError("a multi-process run needs its own --master_port")
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(port),
+            str(TRAIN_SCRIPT), *argv]  # fmt: skip
+
+
+def resumable(procs: int) -> bool:
+    """Whether train.py resumes a run of ``procs`` processes (--resume_from_checkpoint is refused on several
+    processes while `trl_ext.launch.processes.CFG_FLAGS` lists it)."""
+    from trl_ext.launch.processes import CFG_FLAGS
+
+    return procs == 1 or all(flag != "resume_from_checkpoint" for flag, *_ in CFG_FLAGS)
+
+
+def _start(run: PlannedRun, dev: str, sweep_dir: Path, res: Resources, say, restart: bool = False,
+           ports: set = frozenset()) -> _Active | str:  # fmt: skip
     lock = _lock(run)
     if lock is None:
         say(f"[sweep] BUSY: {run.label} is being run by another process ({run.run_dir})")
@@ -325,6 +353,9 @@ def _start(run: PlannedRun, dev: str, sweep_dir: Path, res: Resources, say, rest
         os.close(lock)
         return "done"
     ckpt = None if restart or not run.run_dir.exists() else latest_complete(run.run_dir)
+    if ckpt and not resumable(res.procs):
+        say(f"[sweep] {run.label}: --resume_from_checkpoint runs on one process for now; restarting from scratch")
+        ckpt = None
     resume = ["--resume_from_checkpoint", "latest"] if ckpt else []
     if ckpt:
         say(f"[sweep] unfinished run resumes from {ckpt}")
@@ -338,46 +369,14 @@ def _start(run: PlannedRun, dev: str, sweep_dir: Path, res: Resources, say, rest
         shutil.move(run.run_dir, stale)
         say(f"[sweep] unfinished run moved aside, restarting from scratch: {stale}")
     log = sweep_dir / "logs" / f"{run.name}.log"
-    cmd = [sys.executable, str(TRAIN_SCRIPT), *run.argv, *resume]
+    port = free_port(ports) if res.procs > 1 else None
+    cmd = train_command([*run.argv, *resume], res.procs, port)
     with open(log, "ab") as f:
         f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} device {dev}: {shlex.join(cmd)}\n".encode())
         f.flush()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(dict(os.environ), res, dev))
     say(f"[sweep] start: {run.label} on {dev} (log {log})")
-    return _Active(run, proc, dev, lock, log, time.time())
-
-
-# ------------------------------------------------------------------------------------------ summary
-def _fmt(v) -> str:
-    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def summary_table(results: list[RunResult]) -> str:
-    cols = ("label", "status", "steps", "reward", "kl", "train_s", "wall_s", "name")
-    rows = [cols] + [tuple(_fmt(getattr(r, c)) for c in cols) for r in results]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(cols) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows)
-
-
-def write_summary(results: list[RunResult], sweep_dir: Path) -> dict[str, Path]:
-    """summary.json, summary.csv and reward_curves.png in ``sweep_dir``."""
-    from trl_ext.evaluate import latest_trainer_state, plot_curves, reward_history
-
-    paths = {k: sweep_dir / f for k, f in (("json", "summary.json"), ("csv", "summary.csv"),
-                                            ("png", "reward_curves.png"))}  # fmt: skip
-    paths["json"].write_text(json.dumps([asdict(r) for r in results], indent=2))
-    with open(paths["csv"], "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(SUMMARY_COLUMNS)
-        w.writerows([getattr(r, c) for c in SUMMARY_COLUMNS] for r in results)
-    curves = {}
-    for r in results:
-        state = latest_trainer_state(Path(r.run_dir))
-        rows = reward_history(state) if state else []
-        if rows:
-            curves[r.label] = ([h["step"] for h in rows], [h["reward"] for h in rows])
-    plot_curves(curves, paths["png"], title=f"reward: {sweep_dir.name}", ylabel="reward")
-    return paths
+    return _Active(run, proc, dev, lock, log, time.time(), port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,28 +386,47 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     try:
-        check_single_process("sweep.py")  # each run is a train.py process of its own
+        check_single_process("sweep.py")  # each run is a train.py process (or torchrun launch) of its own
         (args,) = HfArgumentParser(SweepArgs).parse_args_into_dataclasses(args=argv)
+        shard = None if args.shard is None else parse_shard(args.shard, dict(os.environ))
+        if args.summarize and (shard or args.dry_run):
+            raise ConfigError("--summarize merges every shard's runs and launches nothing: give it without --shard "
+                              "and --dry_run")  # fmt: skip
         spec = build_spec(args)
-        runs = plan_runs(spec)
         res = resolve_resources(args, dict(os.environ), len(os.sched_getaffinity(0)))
-        sweep_dir = sweep_dir_for(runs, spec, args.sweep_name, args.config)
+        planned = plan_runs(spec, args.procs_per_run)  # the whole grid: every shard plans the same runs
+        sweep_dir = sweep_dir_for(planned, spec, args.sweep_name, args.config)
+        if args.summarize and not sweep_dir.is_dir():
+            raise ConfigError(f"no sweep directory {sweep_dir}: no run of this sweep has started (the same flags as "
+                              "the shards', without --shard, find it)")  # fmt: skip
     except ConfigError as e:
         print(f"sweep.py: error: {e}", file=sys.stderr)
         return 2
-    print(f"sweep: {len(runs)} run(s), {res.describe()}\nsweep dir: {sweep_dir}")
+    if args.summarize:
+        results = merge_results(planned, sweep_dir)
+        paths = write_summary(results, sweep_dir)
+        print(summary_table(results) + "\n" + "\n".join(f"{k}: {p}" for k, p in paths.items()), flush=True)
+        return 0 if all(r.status == "done" for r in results) else 1
+    runs = shard_runs(planned, *shard) if shard else planned
+    part = f"; shard {shard[0]}/{shard[1]}: {len(runs)} of them" if shard else ""
+    print(f"sweep: {len(planned)} run(s){part}, {res.describe()}\nsweep dir: {sweep_dir}")
+    launcher = f"torchrun --nproc_per_node {args.procs_per_run} " if args.procs_per_run > 1 else ""
     for run in runs:
         done = " [done: will be skipped]" if is_done(run.run_dir) else ""
-        print(f"run {run.index + 1}/{len(runs)}: {run.run_dir}{done}\n    train.py {shlex.join(run.argv)}")
-    if args.dry_run:
+        print(f"run {run.index + 1}/{len(planned)}: {run.run_dir}{done}\n    {launcher}train.py {shlex.join(run.argv)}")
+    if args.dry_run or not runs:
         return 0
     sweep_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children too when the sweep is terminated
-    (sweep_dir / "sweep.yaml").write_text(yaml.safe_dump({"argv": argv, **asdict(spec)}, sort_keys=False))
+    record = {"argv": argv, **asdict(spec), "procs_per_run": args.procs_per_run, "shard": shard and list(shard)}
+    (sweep_dir / f"sweep{shard_suffix(shard)}.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
     results, interrupted = execute(runs, sweep_dir, res, args.status_every, args.log_tail,
-                                   restart=args.restart_unfinished)
-    paths = write_summary(results, sweep_dir)
+                                   restart=args.restart_unfinished, shard=shard)  # fmt: skip
+    paths = write_summary(results, sweep_dir, shard)
     print(summary_table(results) + "\n" + "\n".join(f"{k}: {p}" for k, p in paths.items()), flush=True)
+    if shard:
+        whole = [a for i, a in enumerate(argv) if not (a.startswith("--shard") or (i and argv[i - 1] == "--shard"))]
+        print(f"all shards' runs: uv run sweep.py {shlex.join(whole)} --summarize", flush=True)
     return 130 if interrupted else 0 if all(r.status == "done" for r in results) else 1
 
 

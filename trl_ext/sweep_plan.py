@@ -11,6 +11,7 @@ by ``trl_ext.naming`` from every defining hyperparameter (fixed ones included).
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import itertools
@@ -225,10 +226,38 @@ def _baseline(arm: str, extra: dict[str, str], spec: SweepSpec, values: dict[str
     return {**fixed, **extra}, {"baseline": arm, **vals}, flags
 
 
-def plan_runs(spec: SweepSpec) -> list[PlannedRun]:
+@contextlib.contextmanager
+def planned_processes(n: int):
+    """train.py's parse as a launch of ``n`` processes sees it, without starting a process group here: for the
+    duration, `trl_ext.launch.processes.launched_processes` (read by every parse-time check of several processes
+    and by the ``_procsN`` run-name tag) answers ``n``, while TrainingArguments, which reads WORLD_SIZE from the
+    environment itself, still sets up one process. So each run is refused, or named, as under torchrun. The CPU
+    settings of several processes (``use_cpu``, gloo; `processes.multi_process_settings`) are checked on a copy of
+    the config: applied here, they would make accelerate look for a process group that this process has not."""
+    if n == 1:
+        yield
+        return
+    from trl_ext import config
+    from trl_ext.launch import processes
+
+    saved = processes.launched_processes, config.multi_process_settings
+    processes.launched_processes = lambda environ=None: (n, "--procs_per_run")
+    config.multi_process_settings = lambda cfg, *a, **k: saved[1](copy.copy(cfg), *a, **k)
+    try:
+        yield
+    finally:
+        processes.launched_processes, config.multi_process_settings = saved
+
+
+def plan_runs(spec: SweepSpec, procs: int = 1) -> list[PlannedRun]:
     """One validated run per grid combination (raises ConfigError naming the run and the problem), then the
     ``spec.baselines`` arms of every routed run (identical arms, e.g. of routing_mode shared and exclusive,
-    planned once)."""
+    planned once). ``procs`` > 1: each run is validated and named as a launch of that many processes."""
+    with planned_processes(procs):
+        return _plan_runs(spec)
+
+
+def _plan_runs(spec: SweepSpec) -> list[PlannedRun]:
     runs, seen = [], {}
     combos = [dict(zip(g, c)) for g in spec.grids for c in itertools.product(*g.values())]
     jobs = [(spec.fixed, values, spec.train_flags, None) for values in combos]
@@ -263,3 +292,37 @@ def sweep_dir_for(runs: list[PlannedRun], spec: SweepSpec, name: str | None, con
     prefix = Path(config).stem if config else f"sweep_{'-'.join(spec.keys) or 'single'}"
     name = name or f"{prefix}_{len(runs)}runs_{digest}"
     return parents.pop() / "sweeps" / name
+
+
+# ------------------------------------------------------------------------------------------ shards
+SHARD_ENV = "env"  # --shard env: a Slurm job array's task
+SLURM_ARRAY = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_COUNT")
+
+
+def parse_shard(text: str, environ: dict) -> tuple[int, int]:
+    """``--shard K/N`` -> (K, N) with 1 <= K <= N. ``--shard env`` reads a Slurm job array: K is the task's place in
+    the array (``(SLURM_ARRAY_TASK_ID - MIN) / STEP + 1``, so ``--array=0-3`` and ``--array=1-4`` both give 1..4),
+    N is SLURM_ARRAY_TASK_COUNT; an array that is not an evenly stepped range (``--array=1,5,6``) is refused."""
+    if text == SHARD_ENV:
+        missing = [v for v in SLURM_ARRAY if not environ.get(v, "").isdigit()]
+        if missing:
+            raise ConfigError(f"--shard env reads a Slurm job array's task, but {', '.join(missing)} is not set "
+                              "(to a number); outside a job array give --shard K/N")
+        task, lo, hi, count = (int(environ[v]) for v in SLURM_ARRAY)
+        step = int(environ.get("SLURM_ARRAY_TASK_STEP", "1") or 1)
+        if step < 1 or (hi - lo) % step or (hi - lo) // step + 1 != count or (task - lo) % step:
+            raise ConfigError(f"--shard env needs a job array that is a range (--array=A-B or A-B:S); this one has "
+                              f"{count} tasks from {lo} to {hi} in steps of {step}")
+        return (task - lo) // step + 1, count
+    k, sep, n = text.partition("/")
+    if not (sep and k.isdigit() and n.isdigit()) or not 1 <= int(k) <= int(n):
+        raise ConfigError(f"--shard expects K/N with 1 <= K <= N (the K-th of N slices), or env; got {text!r}")
+    return int(k), int(n)
+
+
+def shard_runs(runs: list[PlannedRun], k: int, n: int) -> list[PlannedRun]:
+    """The K-th of N slices of a plan: runs whose place in the plan is K-1 modulo N. The plan's order is the grid's
+    (flags as given, values as given, the last flag varying fastest, then each routed run's baseline arms), the
+    same on every machine given the same command; every run is in exactly one slice, and round robin keeps the
+    slices' sizes within one of each other and mixes the grid's slow and fast values."""
+    return [r for r in runs if r.index % n == k - 1]
