@@ -52,7 +52,6 @@ def _parse(argv: list[str]):
     ("env", "bandit", r"--env bandit: environments"),
     ("generation_backend", "fast", r"--generation_backend fast: the fast generation backend"),
     ("save_rollouts", True, r"--save_rollouts: saved rollouts"),
-    ("resume_from_checkpoint", "latest", r"--resume_from_checkpoint latest: resuming"),
     ("use_vllm", True, r"--use_vllm: vLLM generation"),
     ("eval_strategy", "steps", r"--eval_strategy steps: TRL's eval loop"),
 ])  # fmt: skip

@@ -211,7 +211,7 @@ def run_training(plan: Plan) -> int:
     from trl_ext.launch.processes import barrier, describe_launch, is_main, launch_record
     from trl_ext.routing.trainer import routing_setup
     from trl_ext.runlog import write_run_config
-    from trl_ext.runs.faults import NumericFault
+    from trl_ext.runs.preemption import PreemptionCallback, preemption_handler
     from trl_ext.runs.rundir import open_run_dir
     from trl_ext.trainer import ExtGRPOTrainer
 
@@ -269,6 +269,17 @@ def run_training(plan: Plan) -> int:
         from trl_ext.distill.baseline import run_eval_baseline
 
         run_eval_baseline(trainer, run, rc, prompt_source(run))
+    with preemption_handler() as flag:  # SIGTERM: a checkpoint at the next step boundary, then exit 0
+        preemption = PreemptionCallback(flag, trainer.accelerator)
+        trainer.add_callback(preemption)
+        return train_and_summarise(plan, trainer, preemption, tee)
+
+
+def train_and_summarise(plan: Plan, trainer, preemption, tee) -> int:
+    """Train; the main process writes run_summary.json (status done, preempted or numeric_fault); the exit code."""
+    from trl_ext.runs.faults import NumericFault
+
+    cfg, main_process = plan.cfg, tee is not None
     start = time.time()
     try:
         trainer.train(resume_from_checkpoint=str(plan.resume) if plan.resume else None)
@@ -280,16 +291,23 @@ def run_training(plan: Plan) -> int:
             (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
             tee.close()
         return 1
+    steps = trainer.state.global_step
+    preempted = preemption.stopped_at is not None and steps < trainer.state.max_steps
     summary = {
         "status": "done",
         "run_name": cfg.run_name,
-        "steps": trainer.state.global_step,
+        "steps": steps,
+        **(preemption.summary(plan.run_dir, steps) if preempted else {}),
         "wall_s": round(time.time() - start, 1),
         "final_log": next((h for h in reversed(trainer.state.log_history) if "reward" in h), {}),
     }
     if main_process:
         (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"done: {plan.run_dir}", flush=True)
+        if preempted:
+            print(f"preempted at step {steps} of {trainer.state.max_steps}: {summary['checkpoint']} is complete; "
+                  "continue with the same command and --resume_from_checkpoint latest", flush=True)
+        else:
+            print(f"done: {plan.run_dir}", flush=True)
         tee.close()
     return 0
 

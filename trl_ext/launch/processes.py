@@ -71,7 +71,6 @@ def _feature_groups() -> dict[type, str]:
 CFG_FLAGS = (
     ("generation_backend", "trl", "the fast generation backend"),
     ("save_rollouts", False, "saved rollouts"),
-    ("resume_from_checkpoint", None, "resuming"),
     ("use_vllm", False, "vLLM generation"),
     ("use_transformers_continuous_batching", False, "continuous-batching generation"),
     ("eval_strategy", "no", "TRL's eval loop"),
