@@ -35,8 +35,18 @@ def test_sft_pairs_follow_optimal_paths(name):
     assert all(extract_answer(p["completion"]) in env.action_words for p in pairs)
 
 
+def test_arithmetic_sft_pairs_are_the_exact_values():
+    """Arithmetic's script is one answer, the exact value; the pair's prompt is the problem with the prefill."""
+    pairs = sft_pairs("arithmetic", n=20, seed=7, max_operand=4, max_factor=3)
+    assert len(pairs) == 20
+    for pair in pairs:
+        a, op, b = pair["prompt"].removesuffix(" =\n<think>").split(" ")
+        value = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert 0 <= value <= 9 and pair["completion"] == f"<answer>{value}</answer>"
+
+
 def test_sft_pairs_errors():
-    for name in ("two_armed_bandit", "arithmetic", "prisoners_dilemma"):
+    for name in ("two_armed_bandit", "prisoners_dilemma"):
         with pytest.raises(ConfigError, match="has no solver.*frozenlake.*sokoban"):
             sft_pairs(name, n=2, seed=0)
     with pytest.raises(ConfigError, match="unknown environment"):
