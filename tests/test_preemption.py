@@ -75,26 +75,39 @@ def test_every_rank_stops_when_any_rank_was_signalled(capsys):
     assert "SIGTERM received (on another process); saving checkpoint-2" in capsys.readouterr().out
 
 
-def test_sweep_resumes_a_preempted_child(tmp_path, monkeypatch):
-    """A child that exited 0 as "preempted" is not done: the next sweep starts it with --resume_from_checkpoint."""
-    from trl_ext import sweep
-    from trl_ext.runs.checkpoints import mark_complete
+PREEMPTED_CHILD = """
+import json, sys
+from pathlib import Path
+from trl_ext.runs.checkpoints import mark_complete
+d = Path(sys.argv[sys.argv.index("--dir") + 1])
+if "--resume_from_checkpoint" in sys.argv:
+    (d / "run_summary.json").write_text(json.dumps({"status": "done", "steps": 6, "wall_s": 1.0, "final_log": {}}))
+else:  # stopped by SIGTERM: a complete checkpoint, exit 0
+    (d / "checkpoint-3").mkdir(parents=True)
+    (d / "checkpoint-3" / "trainer_state.json").write_text(json.dumps({"global_step": 3, "log_history": []}))
+    mark_complete(d / "checkpoint-3", 3)
+    (d / "run_summary.json").write_text(json.dumps({"status": "preempted", "steps": 3}))
+"""
 
-    run_dir = tmp_path / "run"
-    (run_dir / "checkpoint-3").mkdir(parents=True)
-    mark_complete(run_dir / "checkpoint-3", 3)
-    (run_dir / "run_summary.json").write_text(json.dumps({"status": "preempted", "steps": 3}))
+
+def test_sweep_resumes_a_preempted_child(tmp_path, monkeypatch):
+    """A child that exits 0 as "preempted" is listed PREEMPTED (not done); the next sweep resumes it."""
+    from trl_ext import sweep
+
+    script = tmp_path / "child.py"
+    script.write_text(PREEMPTED_CHILD)
+    monkeypatch.setattr(sweep, "TRAIN_SCRIPT", script)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    run_dir, sweep_dir = tmp_path / "out" / "run0", tmp_path / "out" / "sweeps" / "s"
+    runs = [sweep.PlannedRun(0, {"i": "0"}, ["--dir", str(run_dir)], run_dir)]
+    res, said = sweep.Resources([], 1, 1, None), []
+    results, _ = sweep.execute(runs, sweep_dir, res, status_every=60, log_tail=5, say=said.append)
+    assert [(r.status, r.returncode, r.steps) for r in results] == [("PREEMPTED", 0, 3)]
     assert not sweep.is_done(run_dir)
-    started = []
-    monkeypatch.setattr(sweep.subprocess, "Popen", lambda cmd, **kw: started.append(cmd))
-    monkeypatch.setattr(sweep, "_lock", lambda run: os.open(os.devnull, os.O_RDONLY))
-    run = type("Run", (), {"name": "run", "label": "run", "run_dir": run_dir, "argv": ["--reward", "x"]})()
-    res = sweep.resolve_resources(sweep.SweepArgs(reward="happy_binary"), {}, 1)
-    said = []
-    (tmp_path / "sw" / "logs").mkdir(parents=True)
-    assert isinstance(sweep._start(run, "cpu", tmp_path / "sw", res, said.append), sweep._Active)
-    assert started[0][-2:] == ["--resume_from_checkpoint", "latest"]
-    assert f"unfinished run resumes from {run_dir / 'checkpoint-3'}" in said[0]
+    results, _ = sweep.execute(runs, sweep_dir, res, status_every=60, log_tail=5, say=said.append)
+    assert [(r.status, r.launched) for r in results] == [("done", True)]
+    assert f"[sweep] unfinished run resumes from {run_dir / 'checkpoint-3'}" in said
+    assert "--resume_from_checkpoint latest" in (sweep_dir / "logs" / "run0.log").read_text()
 
 
 # ------------------------------------------------------------------------------------------ end to end

@@ -277,7 +277,11 @@ def execute(runs: list[PlannedRun], sweep_dir: Path, res: Resources, status_ever
                 os.close(a.lock)
                 ok = a.proc.returncode == 0 and is_done(a.run.run_dir)
                 tail = [] if ok else _tail(a.log, log_tail)
-                record(a.run, "done" if ok else "FAILED", True, wall_s=round(time.time() - a.t0, 1),
+                summary = a.run.run_dir / "run_summary.json"  # exit 0 "preempted" (SIGTERM): the next sweep resumes it
+                preempted = not ok and a.proc.returncode == 0 and summary.is_file() and \
+                    json.loads(summary.read_text()).get("status") == "preempted"
+                record(a.run, "done" if ok else "PREEMPTED" if preempted else "FAILED", True,
+                       wall_s=round(time.time() - a.t0, 1),
                        returncode=a.proc.returncode, device=a.dev, log=str(a.log), log_tail=tail)  # fmt: skip
                 r = results[name]
                 say(f"[sweep] {r.status}: {a.run.label} (exit {r.returncode}, {r.wall_s} s, steps {r.steps})"
