@@ -24,3 +24,20 @@ def trainer_logprobs(model, prompts, completions, temperature, generate_position
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     lp = logits.log_softmax(-1).gather(2, ids[:, width:, None]).squeeze(2)
     return [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
+
+
+def word_tokenizer(words: str, chat_template: str | None = None):
+    """A word-level tokenizer over ``words`` (space-separated; "[UNK]" and "[EOS]" among them), splitting on
+    whitespace and punctuation and decoding with spaces between tokens; PAD = EOS, left padding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = words.split()
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()])
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins tokens with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]", pad_token="[EOS]")
+    tok.padding_side = "left"
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok

@@ -7,13 +7,13 @@ log-probs come from a direct forward of one unpadded row (teacher prompt + compl
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from environments.base import make_env
 from trl_ext.config import ExtGRPOConfig
 from trl_ext.distill.teacher import chat_teacher_prompt, teacher_messages
 from trl_ext.env.episodes import env_dataset, env_reward
+from reference import word_tokenizer
 
 WORDS = ("[UNK] [EOS] < > / answer think jump left right up down reward : - 1 0 . done false true invalid "
          "p _ o g x * junk system user assistant hint go").split()  # fmt: skip
@@ -25,14 +25,7 @@ AGENT = "< answer > jump < / answer >"  # invalid on every turn: the episode run
 
 
 def make_tok(chat: bool):
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()])
-    backend.decoder = decoders.WordPiece(prefix="##")
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]", pad_token="[EOS]")
-    tok.padding_side = "left"
-    if chat:
-        tok.chat_template = TEMPLATE
-    return tok
+    return word_tokenizer(" ".join(WORDS), TEMPLATE if chat else None)
 
 
 def encode(tok, text):

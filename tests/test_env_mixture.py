@@ -9,8 +9,6 @@ from collections import Counter, defaultdict
 from types import SimpleNamespace
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from environments.base import SEPARATOR, make_env, run_episodes
 from trl_ext.env.args import EnvArgs
@@ -19,6 +17,7 @@ from trl_ext.env.mixture import (Component, env_tag, mixture_counts, mixture_ord
                                  split_env_params)  # fmt: skip
 from trl_ext.registry import ConfigError
 from trl_ext.runs.rollouts import load_rollouts
+from reference import word_tokenizer
 
 PLAIN = SimpleNamespace(chat_template=None)  # env_prompt's plain-text prompts (no tokenizer call)
 
@@ -137,10 +136,7 @@ WORDS = ("[UNK] [EOS] < > / answer think left right up down cooperate defect rew
 
 @pytest.fixture(scope="module")
 def tok():
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()])
-    backend.decoder = decoders.WordPiece(prefix="##")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]", pad_token="[EOS]")
+    return word_tokenizer(" ".join(WORDS))
 
 
 def test_one_batch_plays_each_row_in_its_environment_with_its_turn_limit(tok):

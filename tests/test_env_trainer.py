@@ -4,14 +4,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import trl_ext.cli_train as cli
 from environments.base import make_env
 from trl_ext.config import ExtGRPOConfig
 from trl_ext.env.trainer import env_rollout
 from trl_ext.env.episodes import chat_env_text, cut_after_answer, env_dataset, env_reward
+from reference import word_tokenizer
 
 WORDS = ("[UNK] [EOS] < > / answer think jump left right up down reward : - 1 0 . done false true invalid "
          "p _ o g x * junk").split()  # fmt: skip
@@ -19,12 +19,7 @@ WORDS = ("[UNK] [EOS] < > / answer think jump left right up down reward : - 1 0 
 
 @pytest.fixture(scope="module")
 def tok():
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()])
-    backend.decoder = decoders.WordPiece(prefix="##")  # joins tokens with spaces
-    t = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]", pad_token="[EOS]")
-    t.padding_side = "left"
-    return t
+    return word_tokenizer(" ".join(WORDS))
 
 
 def ids(tok, text):

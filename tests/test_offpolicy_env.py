@@ -10,13 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from environments.base import make_env
 from environments.base import SEPARATOR
 from trl_ext.env.episodes import play_episodes
 from trl_ext.runs.rollouts import load_rollouts
+from reference import word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("[UNK] [EOS] < > / answer think left right up down reward : - 1 0 . done false true invalid p _ o g x * | "
@@ -25,10 +24,7 @@ WORDS = ("[UNK] [EOS] < > / answer think left right up down reward : - 1 0 . don
 
 @pytest.fixture(scope="module")
 def tok():
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()])
-    backend.decoder = decoders.WordPiece(prefix="##")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]", pad_token="[EOS]")
+    return word_tokenizer(" ".join(WORDS))
 
 
 def enc(tok, text):

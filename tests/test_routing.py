@@ -102,26 +102,29 @@ def test_init_like_lora():
     assert DualLoRALinear(nn.Linear(4, 4).to(D), 2, 2, 2).retain_A.dtype == D
 
 
-def test_matches_peft_lora_with_forget_rank_zero():
+def _ours_and_peft(proj: nn.Module, fan_in_fan_out: bool = False):
+    """``proj`` wrapped by DualLoRALinear (retain rank 4, no forget side) and by PEFT LoRA (rank 4, alpha 8), with the
+    same A and a nonzero B (so every gradient path is exercised): (ours, PEFT's layer)."""
     from peft import LoraConfig, inject_adapter_in_model
 
     class Tiny(nn.Module):
         def __init__(self):
             super().__init__()
-            self.proj = nn.Linear(8, 6)
+            self.proj = proj
 
-    torch.manual_seed(0)
     base = Tiny().to(D)
     ours = DualLoRALinear(copy.deepcopy(base.proj), retain_rank=4, forget_rank=0, alpha=8)
-    peft_model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["proj"]),
-                                         base)
-    lora = peft_model.proj
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["proj"], fan_in_fan_out=fan_in_fan_out)
+    lora = inject_adapter_in_model(config, base).proj
     with torch.no_grad():
-        lora.lora_B["default"].weight.normal_()  # nonzero B so that every gradient path is exercised
+        lora.lora_B["default"].weight.normal_()
         ours.retain_A.copy_(lora.lora_A["default"].weight)
         ours.retain_B.copy_(lora.lora_B["default"].weight)
-    x = torch.randn(3, 5, 8, dtype=D)
-    w = torch.randn(3, 5, 6, dtype=D)
+    return ours, lora
+
+
+def _assert_same_outputs_and_grads(ours, lora, x: torch.Tensor, out_features: int) -> None:
+    w = torch.randn(*x.shape[:-1], out_features, dtype=D)
     outs, grads = [], []
     for layer, A, B in ((ours, ours.retain_A, ours.retain_B),
                         (lora, lora.lora_A["default"].weight, lora.lora_B["default"].weight)):
@@ -132,47 +135,31 @@ def test_matches_peft_lora_with_forget_rank_zero():
     assert (outs[0] - outs[1]).abs().max() <= 1e-12
     for g_ours, g_peft in zip(*grads):
         assert (g_ours - g_peft).abs().max() <= 1e-12
+
+
+def test_matches_peft_lora_with_forget_rank_zero():
+    torch.manual_seed(0)
+    ours, lora = _ours_and_peft(nn.Linear(8, 6))
+    _assert_same_outputs_and_grads(ours, lora, torch.randn(3, 5, 8, dtype=D), 6)
 
 
 def test_conv1d_matches_peft_lora_fan_in_fan_out():
     """GPT-2's Conv1D (weight [in, out], y = x W + b) wrapped: output, gradients and the merged weight in Conv1D's
     layout equal PEFT LoRA with fan_in_fan_out=True (PEFT's merge writes W + (s B A)^T into the Conv1D)."""
-    from peft import LoraConfig, inject_adapter_in_model
     from transformers.pytorch_utils import Conv1D
 
     from trl_ext.generation.weights import affine_of
 
-    class Tiny(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = Conv1D(6, 8)  # nf = 6 outputs, nx = 8 inputs: weight (8, 6)
-
     torch.manual_seed(0)
-    base = Tiny().to(D)
+    proj = Conv1D(6, 8)  # nf = 6 outputs, nx = 8 inputs: weight (8, 6)
     with torch.no_grad():
-        base.proj.weight.normal_()
-        base.proj.bias.normal_()
-    ours = DualLoRALinear(copy.deepcopy(base.proj), retain_rank=4, forget_rank=0, alpha=8)
+        proj.weight.normal_()
+        proj.bias.normal_()
+    bias = proj.bias.detach().to(D).clone()
+    ours, lora = _ours_and_peft(proj, fan_in_fan_out=True)
     assert (ours.in_features, ours.out_features, ours.retain_A.shape, ours.retain_B.shape) == (8, 6, (4, 8), (6, 4))
-    peft_model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["proj"],
-                                                    fan_in_fan_out=True), base)
-    lora = peft_model.proj
-    with torch.no_grad():
-        lora.lora_B["default"].weight.normal_()
-        ours.retain_A.copy_(lora.lora_A["default"].weight)
-        ours.retain_B.copy_(lora.lora_B["default"].weight)
     x = torch.randn(3, 5, 8, dtype=D)
-    w = torch.randn(3, 5, 6, dtype=D)
-    outs, grads = [], []
-    for layer, A, B in ((ours, ours.retain_A, ours.retain_B),
-                        (lora, lora.lora_A["default"].weight, lora.lora_B["default"].weight)):
-        xi = x.clone().requires_grad_(True)
-        y = layer(xi)
-        outs.append(y)
-        grads.append(torch.autograd.grad((y * w).sum(), (xi, A, B)))
-    assert (outs[0] - outs[1]).abs().max() <= 1e-12
-    for g_ours, g_peft in zip(*grads):
-        assert (g_ours - g_peft).abs().max() <= 1e-12
+    _assert_same_outputs_and_grads(ours, lora, x, 6)
     merged = ours.weight
     assert merged.shape == (8, 6)  # Conv1D's own layout
     assert (x[0] @ merged + ours.bias - ours(x[0])).abs().max() <= 1e-12  # y = x W_merged + b
@@ -180,7 +167,7 @@ def test_conv1d_matches_peft_lora_fan_in_fan_out():
     assert (merged - lora.base_layer.weight).abs().max() <= 1e-12
     # generation.weights.affine_of reads the wrapped layer as the affine map x -> x W^T + b, W^T [in, out]
     w_t, b = affine_of(ours, 8, merged)
-    assert (w_t - merged).abs().max() <= 1e-12 and (b - base.proj.bias).abs().max() <= 1e-12
+    assert (w_t - merged).abs().max() <= 1e-12 and (b - bias).abs().max() <= 1e-12
 
 
 def test_autocast_bf16_keeps_float32_grads():
