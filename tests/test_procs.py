@@ -226,6 +226,66 @@ def test_a_failing_rank_ends_the_launch(tmp_path):
     assert "reward exploded on rank 1 at step 1" in proc.stderr
 
 
+def _rank_pid(root_pid: int, rank: int) -> int | None:
+    """The pid of the descendant of ``root_pid`` whose environment says RANK=``rank`` (a torchrun worker)."""
+    children = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    todo, seen = [root_pid], []
+    while todo:
+        pid = todo.pop()
+        seen.append(pid)
+        todo += children.get(pid, [])
+    for pid in seen[1:]:
+        try:
+            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_launch(tmp_path):
+    """SIGKILL to rank 1 mid-training (a lost process: no Python exception, no message): torchrun's agent sees the
+    worker die and stops rank 0, which would otherwise wait forever in the next collective; the launch exits non-zero
+    within 60 s and no process of it is left."""
+    import signal
+
+    out = tmp_path / "out"
+    cmd = torchrun_command(["train.py", "--reward", "happy_binary", "--max_steps", "500", "--save_steps", "1",
+                            "--batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
+                            "--no_wandb", "--output_dir", str(out)])  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        while not list(out.glob("*/checkpoint-1/checkpoint_complete.json")):  # training is under way
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+        victim, survivor = _rank_pid(proc.pid, 1), _rank_pid(proc.pid, 0)
+        assert victim is not None and survivor is not None
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        _, err = proc.communicate(timeout=90)
+        assert time.time() - killed_at < 60
+        assert proc.returncode != 0
+        assert "Signal 9 (SIGKILL)" in err or "exitcode  : -9" in err  # torchrun names the lost rank
+        time.sleep(1)
+        assert not (Path("/proc") / str(survivor)).exists() or "zombie" in (Path("/proc") / str(survivor) /
+                                                                             "status").read_text()  # rank 0 ended
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def test_refused_feature_exits_2_before_any_process_group(monkeypatch, capsys):
     """train.py under a launcher with a refused flag: exit 2 while parsing (no process group, no model)."""
     import torch.distributed as dist
