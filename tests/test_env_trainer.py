@@ -40,7 +40,7 @@ def no_training(monkeypatch):
         (["--env", "nope"], "two_armed_bandit"),
         (["--env", "sokoban", "--max_turns", "0"], "max_turns"),
         (["--env", "arithmetic", "--adv_estimator", "ppo"], "brpo"),
-        (["--env", "two_armed_bandit", "--mode", "sft"], "no BFS solver"),
+        (["--env", "two_armed_bandit", "--mode", "sft"], "no solver (BFS or scripted)"),
         (["--env", "arithmetic", "--model", "builtin"], "builtin_env"),
         (["--env", "arithmetic", "--reward", "happy_binary"], "exclude"),
         (["--reward", "happy_binary", "--no_think_rl"], "--no_think_rl needs --env"),

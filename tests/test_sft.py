@@ -16,8 +16,8 @@ def no_training(monkeypatch):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--mode", "sft", "--env", "arithmetic"], "environments with one: frozenlake, search, sokoban"),
-        (["--mode", "sft", "--env", "prisoners_dilemma"], "no BFS solver"),
+        (["--mode", "sft", "--env", "two_armed_bandit"], "environments with one: arithmetic, frozenlake, search, sokoban"),
+        (["--mode", "sft", "--env", "prisoners_dilemma"], "no solver (BFS or scripted)"),
         (["--mode", "sft", "--reward", "happy_binary"], "--mode sft needs --env"),
         (["--mode", "distill", "--env", "frozenlake"], "--mode must be one of rl, sft"),
         (["--mode", "sft", "--env", "frozenlake", "--sft_train_size", "0"], "--sft_train_size"),

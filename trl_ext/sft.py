@@ -1,6 +1,7 @@
-"""``--mode sft`` (RAGEN early 2025, SFT mode): supervised fine-tuning on BFS-optimal trajectories.
+"""``--mode sft`` (RAGEN early 2025, SFT mode): supervised fine-tuning on BFS-optimal or scripted trajectories.
 
-1. Data: the BFS solver's shortest action path (``environments.solvers.shortest_actions``; on FrozenLake
+1. Data: the BFS solver's shortest action path, or an environment's scripted actions (arithmetic: the exact value;
+   search: search, read, answer) (``environments.solvers.shortest_actions``; on FrozenLake
    the non-slippery path of the same map, also for slippery ice, see ``FrozenLakeEnv.sft_params``) on the
    ``--sft_train_size`` training levels (seeds ``TRAIN_LEVELS ..``); one (prompt, completion) record per
    step, the prompt being the episode so far as the policy sees it (plain text, or chat messages for a
@@ -47,9 +48,9 @@ class SFTArgs:
             raise ConfigError(f"--sft_epochs must be > 0, got {self.sft_epochs}")
         if self.mode == "sft":
             if not self.env:
-                raise ConfigError(f"--mode sft needs --env (one with a BFS solver: {', '.join(solver_env_names())})")
+                raise ConfigError(f"--mode sft needs --env (one with a solver: {', '.join(solver_env_names())})")
             if not env_class(self.env).has_solver:
-                raise ConfigError(f"--mode sft: environment {self.env!r} has no BFS solver; "
+                raise ConfigError(f"--mode sft: environment {self.env!r} has no solver (BFS or scripted); "
                                   f"environments with one: {', '.join(solver_env_names())}")  # fmt: skip
 
 
@@ -133,7 +134,7 @@ def run_sft(plan) -> int:
     model = AutoModelForCausalLM.from_pretrained(model_path)
     env_params = parse_env_params(cfg.env_params)
     records = sft_records(cfg.env, cfg.sft_train_size, TRAIN_LEVELS, uses_chat(tokenizer), env_params)
-    print(f"sft: {len(records)} records from {cfg.sft_train_size} BFS-solved levels", flush=True)
+    print(f"sft: {len(records)} records from {cfg.sft_train_size} solved levels", flush=True)
     val_args = (cfg.env, cfg.sft_test_size, cfg.turns, cfg.max_completion_length)
     before = validate(model, tokenizer, *val_args, env_params=env_params)
     print(f"validation before SFT: {before}", flush=True)
