@@ -130,8 +130,8 @@ def heldout_answers(env_params: dict, n: int = N_EVAL) -> list[int]:
     return out
 
 
-def evaluate(model_dir: str, env_params: dict, n: int = N_EVAL) -> dict:
-    """Greedy and sampled (temperature 1, torch seed 0) accuracy on the held-out levels, invalid fractions and the
+def evaluate(model_dir: str, env_params: dict, n: int = N_EVAL, modes: tuple[str, ...] = ("greedy", "sampled")) -> dict:
+    """Greedy and/or sampled (temperature 1, torch seed 0) accuracy on the held-out levels, invalid fractions and the
     number of distinct greedy answers."""
     import torch
 
@@ -145,6 +145,8 @@ def evaluate(model_dir: str, env_params: dict, n: int = N_EVAL) -> dict:
     seeds = list(range(HELDOUT_LEVELS, HELDOUT_LEVELS + n))
     res = {}
     for mode, sample in (("greedy", False), ("sampled", True)):
+        if mode not in modes:
+            continue
         torch.manual_seed(0)
         envs = [make_env("arithmetic", **env_params) for _ in seeds]
         trajs = run_episodes(envs, model_policy(model, tok, envs[0], 16, do_sample=sample), seeds, 1)

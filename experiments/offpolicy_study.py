@@ -1,0 +1,222 @@
+"""The off-policy study in miniature (seed 000): how a strict policy lag k hurts GRPO on single-turn math without
+masks, and what the default masks, TIS (token_clip_high), MIS (token mask windows) and kl_tau do at k = 16.
+
+Every run is a train.py run planned by a sweep file (one per command group, resumable, each reproducible alone):
+
+    uv run sweep.py --config sweeps/offpolicy_math_calibration.yaml   # the premise: k = 16 without masks vs k = 0
+    uv run sweep.py --config sweeps/offpolicy_math_lag_nomask.yaml    # k in {0, 1, 4, 8, 16, 32, 64}, masks off
+    uv run sweep.py --config sweeps/offpolicy_math_defaults.yaml      # default masks: strict 1/8/16, in-flight 1/4
+    uv run sweep.py --config sweeps/offpolicy_math_k16_rescues.yaml   # TIS, MIS, kl_tau, MIS + kl_tau at k = 16
+    uv run sweep.py --config sweeps/offpolicy_math_kl_long_lag.yaml   # kl_tau 1e-3 / 1e-2 at k = 32 and 64
+    uv run python experiments/offpolicy_study.py [--groups ...]       # table and plot from the run directories
+
+The task is experiments/math_learns.py's "rl" arm (arithmetic with small operands from builtin_env, 600 GRPO steps,
+batch 32 x 8 generations, beta 0, fast backend). Per run: greedy accuracy of the trained policy on N_EVAL held-out
+levels at every saved checkpoint (the policy itself, not the lagged batch), the batch reward and success of the
+logged steps (sampled by the behaviour policy, k steps older under strict lag), and the run means of the masked and
+clipped fractions, mean |log r| and mismatch-KL (prime-rl's k3 estimate of KL(behaviour || trainer)). Arms are
+mean ± standard error over seeds. A run that did not finish (e.g. stopped on a non-finite loss) is listed with its
+status and counted in no mean. Evaluations are cached in output/offpolicy_study/evals.json.
+
+Writes experiments/results/offpolicy_study.md (tables), offpolicy_study.json (per run) and offpolicy_study.png.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # set before torch loads: spinning threads crawl on shared cores
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import argparse  # noqa: E402
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SWEEPS = ROOT / "sweeps"
+GROUPS = ("offpolicy_math_calibration", "offpolicy_math_lag_nomask", "offpolicy_math_defaults",
+          "offpolicy_math_k16_rescues", "offpolicy_math_kl_long_lag")  # fmt: skip
+RESULTS = ROOT / "experiments" / "results"
+EVALS = ROOT / "output" / "offpolicy_study" / "evals.json"
+N_EVAL = 400
+WINDOW = 100  # logged steps in (s - WINDOW, s] give the batch reward / success "at s"
+RUN_MEANS = ("masked_frac", "token_clipped_frac", "abs_log_ratio_mean", "mismatch_kl")
+NO_MASK = {"token_mask_low": "0", "token_mask_high": "1e10", "sequence_mask_low": "0", "sequence_mask_high": "1e10",
+           "geo_mask_low": "0", "geo_mask_high": "1e10", "sequence_clip_high": "1e10"}  # fmt: skip
+
+
+def _math_learns():
+    spec = importlib.util.spec_from_file_location("math_learns", ROOT / "experiments" / "math_learns.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ml = _math_learns()  # mean_se, fmt, evaluate, checkpoints: one definition for both math experiments
+
+
+# --- pure: arms, windows, aggregation (tests/test_offpolicy_study.py) ----------------------------------------------
+
+
+def arm_of(values: dict[str, str]) -> str:
+    """The arm of a run from its sweep values (seed left out): lag, strictness, the masks (seed 000's "no mask"
+    flags, the token mask window alone over them = MIS, or the defaults), then TIS and kl_tau."""
+    k = values["max_async_level"]
+    lr = f", lr {values['learning_rate']}" if "learning_rate" in values else ""
+    if k == "0":
+        return f"k=0 sync{lr}"
+    mode = "strict" if values.get("strict_async_level", "").lower() == "true" else "in-flight"
+    token = ("token_mask_low", "token_mask_high")
+    others = {f: v for f, v in NO_MASK.items() if f not in token}
+    window = tuple(values.get(f, NO_MASK[f]) for f in token)
+    if all(values.get(f) == v for f, v in others.items()):
+        masks = "no masks" if window == tuple(NO_MASK[f] for f in token) else f"MIS [{window[0]}, {window[1]}]"
+    elif not any(f in values for f in NO_MASK):
+        masks = "default masks"
+    else:
+        masks = "masks " + ", ".join(f"{f} {values[f]}" for f in NO_MASK if f in values)
+    extra = [f"TIS {values['token_clip_high']}"] if "token_clip_high" in values else []
+    extra += [f"kl_tau {values['kl_tau']}"] if "kl_tau" in values else []
+    return f"k={k} {mode}, {' + '.join([masks, *extra])}{lr}"
+
+
+def window_mean(logs: list[dict], key: str, end: int, width: int = WINDOW) -> float | None:
+    """Mean of ``key`` over the log entries with step in (end - width, end]; None when there is none."""
+    vals = [h[key] for h in logs if end - width < h["step"] <= end and key in h]
+    return sum(vals) / len(vals) if vals else None
+
+
+def run_mean(logs: list[dict], key: str) -> float | None:
+    vals = [h[key] for h in logs if key in h]
+    return sum(vals) / len(vals) if vals else None
+
+
+def cell(values: list[float | None]) -> str:
+    """mean ± SE over the seeds that have the value; '-' when none has it, the count when some lack it."""
+    have = [v for v in values if v is not None]
+    if not have:
+        return "-"
+    text = f"{have[0]:.3f}" if len(have) == 1 else ml.fmt(have)
+    return text if len(have) == len(values) else f"{text} (n={len(have)})"
+
+
+# --- run directories ------------------------------------------------------------------------------------------------
+
+
+def planned(group: str):
+    from trl_ext.sweep import SweepArgs
+    from trl_ext.sweep_plan import build_spec, plan_runs
+
+    return plan_runs(build_spec(SweepArgs(config=str(SWEEPS / f"{group}.yaml"))))
+
+
+def run_record(run, evals: dict, n_eval: int) -> dict:
+    """Status, logs and held-out accuracy at each complete checkpoint of one planned run."""
+    from trl_ext.runs.checkpoints import latest_complete
+
+    run_dir = ROOT / run.run_dir if not Path(run.run_dir).is_absolute() else Path(run.run_dir)
+    summary = run_dir / "run_summary.json"
+    status = json.loads(summary.read_text()).get("status") if summary.is_file() else "not finished"
+    rec = {"dir": run_dir.name, "values": run.values, "status": status, "logs": [], "heldout": {}}
+    last = latest_complete(run_dir) if run_dir.is_dir() else None
+    if last is None:
+        return rec
+    rec["logs"] = [h for h in json.loads((last / "trainer_state.json").read_text())["log_history"] if "reward" in h]
+    params = {"max_operand": 4, "max_factor": 3}
+    for ckpt in ml.checkpoints(run_dir):
+        if not (ckpt / "checkpoint_complete.json").is_file():
+            continue
+        key = f"{ckpt.relative_to(ROOT)}|{n_eval}"
+        if key not in evals:
+            evals[key] = ml.evaluate(str(ckpt), params, n_eval, modes=("greedy",))["greedy"]
+            EVALS.write_text(json.dumps(evals, indent=1))
+        rec["heldout"][int(ckpt.name.split("-")[1])] = evals[key]
+    return rec
+
+
+# --- report ---------------------------------------------------------------------------------------------------------
+
+
+def arm_rows(records: list[dict], marks: list[int]) -> list[tuple[str, list[dict], list[dict]]]:
+    """(arm, finished runs, unfinished runs) in plan order."""
+    arms: dict[str, tuple[list, list]] = {}
+    for r in records:
+        values = {k: v for k, v in r["values"].items() if k != "seed"}
+        done, not_done = arms.setdefault(arm_of(values), ([], []))
+        (done if r["status"] == "done" else not_done).append(r)
+    return [(a, d, n) for a, (d, n) in arms.items()]
+
+
+def table(records: list[dict], marks: list[int]) -> list[str]:
+    head = (["arm", "runs"] + [f"held-out acc @{s}" for s in marks] + [f"batch success @{marks[-1]}",
+            f"batch reward @{marks[-1]}", "masked tok", "clipped tok", "mean abs log r", "mismatch-KL"])  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, done, not_done in arm_rows(records, marks):
+        cells = [cell([r["heldout"].get(s) for r in done]) for s in marks]
+        cells += [cell([window_mean(r["logs"], key, marks[-1]) for r in done]) for key in ("env/success", "reward")]
+        cells += [cell([run_mean(r["logs"], f"offpolicy/{k}") for r in done]) for k in RUN_MEANS]
+        runs = f"{len(done)}" + (f" (+{len(not_done)} {', '.join(sorted({r['status'] for r in not_done}))})"
+                                 if not_done else "")  # fmt: skip
+        lines.append(f"| {arm} | {runs} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(by_group: dict[str, list[dict]], marks: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [g for g in by_group if by_group[g]]
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.6), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        for arm, done, _ in arm_rows(by_group[group], marks):
+            ys = [(sum(v) / len(v) if (v := [r["heldout"][s] for r in done if s in r["heldout"]]) else None)
+                  for s in marks]  # fmt: skip
+            pts = [(x, y) for x, y in zip(marks, ys) if y is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=arm)
+        ax.set_title(group.replace("offpolicy_math_", ""))
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"held-out greedy accuracy ({N_EVAL} levels)")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS))
+    p.add_argument("--n_eval", type=int, default=N_EVAL, help="held-out levels per evaluation")
+    args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    evals = json.loads(EVALS.read_text()) if EVALS.is_file() else {}
+    EVALS.parent.mkdir(parents=True, exist_ok=True)
+    by_group = {g: [run_record(run, evals, args.n_eval) for run in planned(g)] for g in args.groups}
+    steps = max((max(r["heldout"]) for rs in by_group.values() for r in rs if r["heldout"]), default=600)
+    marks = [steps // 3, 2 * steps // 3, steps]
+    lines = ["# Off-policy study in miniature (arithmetic, small operands, builtin_env, CPU)", "",
+             "Generated by `uv run python experiments/offpolicy_study.py`; numbers as measured, mean ± standard error "
+             f"over seeds. Held-out acc @s: greedy accuracy of the policy after s steps on {args.n_eval} held-out "
+             f"levels. Batch success / reward @{steps}: logged steps in ({steps - WINDOW}, {steps}], sampled by the "
+             "behaviour policy (k steps older under strict lag). Masked tok, clipped tok, mean abs log r and "
+             "mismatch-KL: means over the run's logged steps ('-': k = 0 runs TRL's own loss).", ""]
+    for group, records in by_group.items():
+        spec = (SWEEPS / f"{group}.yaml").read_text().split("needs:")[0].replace("description: >", "").split()
+        lines += [f"## {group}", "", " ".join(spec), "", f"`uv run sweep.py --config sweeps/{group}.yaml`", ""]
+        lines += table(records, marks) + [""]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "offpolicy_study.md").write_text("\n".join(lines) + "\n![held-out accuracy per step, per group]"
+                                                "(offpolicy_study.png)\n")
+    (RESULTS / "offpolicy_study.json").write_text(json.dumps(by_group, indent=1))
+    plot(by_group, marks, RESULTS / "offpolicy_study.png")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

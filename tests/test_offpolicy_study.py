@@ -1,0 +1,68 @@
+"""experiments/offpolicy_study.py: arm labels from sweep values, step windows and the mean ± SE cells, by hand (no
+model, no training); every shipped study sweep plans the arms the report expects."""
+
+import importlib.util
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "experiments" / "offpolicy_study.py"
+_spec = importlib.util.spec_from_file_location("offpolicy_study", _PATH)
+study = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(study)
+
+
+def test_arm_labels():
+    strict16 = {"max_async_level": "16", "strict_async_level": "true"}
+    assert study.arm_of({"max_async_level": "0", "learning_rate": "1e-4"}) == "k=0 sync, lr 1e-4"
+    assert study.arm_of({**strict16, **study.NO_MASK}) == "k=16 strict, no masks"
+    assert study.arm_of({"max_async_level": "8", "strict_async_level": "true"}) == "k=8 strict, default masks"
+    assert study.arm_of({"max_async_level": "4"}) == "k=4 in-flight, default masks"
+    assert study.arm_of({**strict16, **study.NO_MASK, "token_clip_high": "2"}) == "k=16 strict, no masks + TIS 2"
+    mis_kl = {**strict16, **study.NO_MASK, "token_mask_low": "0.125", "token_mask_high": "8", "kl_tau": "1e-2"}
+    assert study.arm_of(mis_kl) == "k=16 strict, MIS [0.125, 8] + kl_tau 1e-2"
+    # The token window over the defaults is not "MIS": the other masks are on; the flags set are named.
+    assert study.arm_of({**strict16, "token_mask_low": "0.5", "token_mask_high": "2"}) == (
+        "k=16 strict, masks token_mask_low 0.5, token_mask_high 2")
+    assert study.arm_of({**strict16, **study.NO_MASK, "learning_rate": "3e-4"}) == "k=16 strict, no masks, lr 3e-4"
+
+
+def test_window_and_run_means():
+    logs = [{"step": s, "env/success": s / 100} for s in (10, 20, 30, 40)] + [{"step": 50}]
+    assert study.window_mean(logs, "env/success", 40, width=20) == pytest.approx((0.3 + 0.4) / 2)  # steps 30, 40
+    assert study.window_mean(logs, "env/success", 40, width=5) == pytest.approx(0.4)
+    assert study.window_mean(logs, "env/success", 5, width=5) is None
+    assert study.run_mean(logs, "env/success") == pytest.approx(0.25)
+    assert study.run_mean(logs, "offpolicy/masked_frac") is None
+
+
+def test_cells():
+    assert study.cell([0.2, 0.4, 0.6]) == f"0.400 ± {0.2 / math.sqrt(3):.3f}"
+    assert study.cell([0.5]) == "0.500"
+    assert study.cell([None, None]) == "-"
+    assert study.cell([0.2, None, 0.4]) == "0.300 ± 0.100 (n=2)"  # stdev 0.1414, SE 0.1414 / sqrt(2)
+
+
+def test_study_sweeps_plan_the_seed_arms():
+    """Each command group plans 3 seeds per arm and the arms of the issue's list, validated by train.py's parser."""
+    expected = {
+        "offpolicy_math_calibration": ["k=0 sync, lr 1e-4", "k=0 sync, lr 3e-4", "k=16 strict, no masks, lr 1e-4",
+                                       "k=16 strict, no masks, lr 3e-4"],
+        "offpolicy_math_lag_nomask": ["k=0 sync"] + [f"k={k} strict, no masks" for k in (1, 4, 8, 16, 32, 64)],
+        "offpolicy_math_defaults": [f"k={k} strict, default masks" for k in (1, 8, 16)]
+        + [f"k={k} in-flight, default masks" for k in (1, 4)],
+        "offpolicy_math_k16_rescues": [f"k=16 strict, no masks + TIS {c}" for c in (2, 4, 8)]
+        + [f"k=16 strict, MIS [{lo}, {hi}]" for lo, hi in (("0.125", 8), ("0.25", 4), ("0.5", 2))]
+        + [f"k=16 strict, no masks + kl_tau {t}" for t in ("1e-4", "2e-3", "1e-2", "1e-1", "1")]
+        + [f"k=16 strict, MIS [0.125, 8] + kl_tau {t}" for t in ("1e-4", "2e-3", "1e-2", "1e-1", "1")],
+        "offpolicy_math_kl_long_lag": [f"k={k} strict, no masks + kl_tau {t}" for k in (32, 64)
+                                       for t in ("1e-3", "1e-2")],
+    }
+    assert tuple(expected) == study.GROUPS
+    for group, arms in expected.items():
+        runs = study.planned(group)
+        labels = Counter(study.arm_of({k: v for k, v in r.values.items() if k != "seed"}) for r in runs)
+        assert list(labels) == arms, group
+        assert set(labels.values()) == {3}, group
