@@ -8,10 +8,11 @@ import torch
 EOS = 1
 
 
-def trainer_logprobs(model, prompts, completions, temperature, generate_positions=False):
+def trainer_logprobs(model, prompts, completions, temperature, generate_positions=False, full=False):
     """Log-probs of the completions under one forward of the left-padded rows as TRL's trainer runs it (input ids and
-    attention mask, no position ids: positions 0..len-1 over the padded row). ``generate_positions``: positions
-    counted from each row's first real token instead, as ``transformers.generate`` numbers them."""
+    attention mask, no position ids: positions 0..len-1 over the padded row), from the raw logits / temperature.
+    ``generate_positions``: positions counted from each row's first real token instead, as ``transformers.generate``
+    numbers them. ``full``: also the log-softmax over the vocabulary at every completion position."""
     width, length = max(map(len, prompts)), max(map(len, completions))
     ids = torch.full((len(prompts), width + length), EOS)
     attention = torch.zeros_like(ids)
@@ -22,8 +23,10 @@ def trainer_logprobs(model, prompts, completions, temperature, generate_position
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attention, **extra).logits[:, width - 1 : -1]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    lp = logits.log_softmax(-1).gather(2, ids[:, width:, None]).squeeze(2)
-    return [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
+    all_lp = logits.log_softmax(-1)
+    lp = all_lp.gather(2, ids[:, width:, None]).squeeze(2)
+    out = [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
+    return (out, all_lp) if full else out
 
 
 def word_tokenizer(words: str, chat_template: str | None = None):

@@ -9,6 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
+from reference import trainer_logprobs
+
 from trl_ext.offpolicy.worker import (
     PolicyStore,
     RolloutWorker,
@@ -34,23 +36,6 @@ def params(**over):
 
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
-
-
-def rescore(model, prompt_ids, completions, temperature, full=False):
-    """Log-probs of the completions under one full forward of the left/right padded rows, as the trainer computes
-    them (no position ids: positions run over the padded row), from the raw logits / temperature."""
-    width, length = max(map(len, prompt_ids)), max(map(len, completions))
-    ids = torch.full((len(prompt_ids), width + length), EOS)
-    attention = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(zip(prompt_ids, completions, strict=True)):
-        ids[i, width - len(p) : width + len(c)] = torch.tensor(p + c)
-        attention[i, width - len(p) : width + len(c)] = 1
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, width - 1 : -1].float() / temperature
-    all_lp = logits.log_softmax(-1)
-    lp = all_lp.gather(2, ids[:, width:, None]).squeeze(2)
-    out = [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
-    return (out, all_lp) if full else out
 
 
 def perturb(model, seed):
@@ -81,7 +66,7 @@ def test_behaviour_logprobs_are_raw_tempered_logprobs(temperature, top_k, top_p)
     model = tiny_model()
     rng = torch.Generator().manual_seed(1)
     out = sample(model, PROMPTS, params(temperature=temperature, top_k=top_k, top_p=top_p), rng)
-    ref, all_lp = rescore(model, PROMPTS, out.completion_ids, temperature, full=True)
+    ref, all_lp = trainer_logprobs(model, PROMPTS, out.completion_ids, temperature, full=True)
     for i, (lp, r) in enumerate(zip(out.logprobs, ref, strict=True)):
         assert len(lp) == len(r) >= 1
         assert max(abs(a - b) for a, b in zip(lp, r, strict=True)) < 1e-5
@@ -204,7 +189,7 @@ def drive(k, strict, start, steps, on_step=None, around_publish=None, backend="f
 def scored_under(weights, rollout, temperature=1.0):
     model = tiny_model()
     model.load_state_dict(weights)
-    return rescore(model, rollout.prompt_ids, rollout.completion_ids, temperature)
+    return trainer_logprobs(model, rollout.prompt_ids, rollout.completion_ids, temperature)
 
 
 @pytest.mark.parametrize("backend", ["fast", "trl"])

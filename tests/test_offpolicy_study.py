@@ -46,10 +46,11 @@ def test_cells():
 
 
 def test_study_sweeps_plan_the_seed_arms():
-    """Each command group plans 3 seeds per arm and the arms of the issue's list, validated by train.py's parser."""
+    """Each command group plans the issue's arms, 3 seeds each (5 at the study's lr in the calibration), validated by
+    train.py's parser."""
     expected = {
-        "offpolicy_math_calibration": ["k=0 sync, lr 1e-4", "k=0 sync, lr 3e-4", "k=16 strict, no masks, lr 1e-4",
-                                       "k=16 strict, no masks, lr 3e-4"],
+        "offpolicy_math_calibration": [f"k=0 sync, lr {lr}" for lr in ("1e-4", "2e-4", "3e-4")]
+        + [f"k=16 strict, no masks, lr {lr}" for lr in ("1e-4", "2e-4", "3e-4")],
         "offpolicy_math_lag_nomask": ["k=0 sync"] + [f"k={k} strict, no masks" for k in (1, 4, 8, 16, 32, 64)],
         "offpolicy_math_defaults": [f"k={k} strict, default masks" for k in (1, 8, 16)]
         + [f"k={k} in-flight, default masks" for k in (1, 4)],
@@ -65,4 +66,5 @@ def test_study_sweeps_plan_the_seed_arms():
         runs = study.planned(group)
         labels = Counter(study.arm_of({k: v for k, v in r.values.items() if k != "seed"}) for r in runs)
         assert list(labels) == arms, group
-        assert set(labels.values()) == {3}, group
+        extra = {a: 5 for a in arms if a.endswith("lr 2e-4")}  # the calibration's two more seeds at the study's lr
+        assert labels == {a: extra.get(a, 3) for a in arms}, group
