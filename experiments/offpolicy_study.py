@@ -11,12 +11,12 @@ Every run is a train.py run planned by a sweep file (one per command group, resu
     uv run python experiments/offpolicy_study.py [--groups ...]       # table and plot from the run directories
 
 The task is experiments/math_learns.py's "rl" arm (arithmetic with small operands from builtin_env, 600 GRPO steps,
-batch 32 x 8 generations, beta 0, fast backend) at lr 2e-4, twice its rate: the calibration group shows why (at 1e-4
-k = 16 without masks is not measurably worse than k = 0). Per run: greedy accuracy of the trained policy on N_EVAL held-out
-levels at every saved checkpoint (the policy itself, not the lagged batch), the batch reward and success of the
-logged steps (sampled by the behaviour policy, k steps older under strict lag), and the run means of the masked and
-clipped fractions, mean |log r| and mismatch-KL (prime-rl's k3 estimate of KL(behaviour || trainer)). Arms are
-mean ± standard error over seeds. A run that did not finish (e.g. stopped on a non-finite loss) is listed with its
+batch 32 x 8 generations, beta 0, fast backend) at lr 2e-4, twice its rate: the calibration group shows why (at
+1e-4 k = 16 without masks is not measurably worse than k = 0). Per run: greedy accuracy of the trained policy on
+N_EVAL held-out levels at every saved checkpoint (the policy itself, not the lagged batch), the batch reward and
+success of the logged steps (sampled by the behaviour policy, k steps older under strict lag), and the run means of
+the masked and clipped fractions, mean |log r| and mismatch-KL (prime-rl's k3 estimate of KL(behaviour || trainer)).
+Arms are mean ± standard error over seeds. A run that did not finish (e.g. stopped on a non-finite loss) is listed with its
 status and counted in no mean. Evaluations are cached in output/offpolicy_study/evals.json.
 
 Writes experiments/results/offpolicy_study.md (tables), offpolicy_study.json (per run) and offpolicy_study.png.
