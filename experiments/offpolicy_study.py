@@ -16,8 +16,8 @@ batch 32 x 8 generations, beta 0, fast backend) at lr 2e-4, twice its rate: the 
 N_EVAL held-out levels at every saved checkpoint (the policy itself, not the lagged batch), the batch reward and
 success of the logged steps (sampled by the behaviour policy, k steps older under strict lag), and the run means of
 the masked and clipped fractions, mean |log r| and mismatch-KL (prime-rl's k3 estimate of KL(behaviour || trainer)).
-Arms are mean ± standard error over seeds. A run that did not finish (e.g. stopped on a non-finite loss) is listed with its
-status and counted in no mean. Evaluations are cached in output/offpolicy_study/evals.json.
+Arms are mean ± standard error over seeds. A run that did not finish (e.g. stopped on a non-finite loss) is listed
+with its status and counted in no mean. Evaluations are cached in output/offpolicy_study/evals.json.
 
 Writes experiments/results/offpolicy_study.md (tables), offpolicy_study.json (per run) and offpolicy_study.png.
 """
