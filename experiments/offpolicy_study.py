@@ -44,6 +44,7 @@ RESULTS = ROOT / "experiments" / "results"
 EVALS = ROOT / "output" / "offpolicy_study" / "evals.json"
 N_EVAL = 400
 WINDOW = 100  # logged steps in (s - WINDOW, s] give the batch reward / success "at s"
+BATCH = {"success": "env/success", "reward": "reward", "invalid": "env/invalid_frac"}  # logged, windowed at the end
 RUN_MEANS = ("masked_frac", "token_clipped_frac", "abs_log_ratio_mean", "mismatch_kl")
 NO_MASK = {"token_mask_low": "0", "token_mask_high": "1e10", "sequence_mask_low": "0", "sequence_mask_high": "1e10",
            "geo_mask_low": "0", "geo_mask_high": "1e10", "sequence_clip_high": "1e10"}  # fmt: skip
@@ -152,12 +153,12 @@ def arm_rows(records: list[dict], marks: list[int]) -> list[tuple[str, list[dict
 
 
 def table(records: list[dict], marks: list[int]) -> list[str]:
-    head = (["arm", "runs"] + [f"held-out acc @{s}" for s in marks] + [f"batch success @{marks[-1]}",
-            f"batch reward @{marks[-1]}", "masked tok", "clipped tok", "mean abs log r", "mismatch-KL"])  # fmt: skip
+    head = (["arm", "runs"] + [f"held-out acc @{s}" for s in marks] + [f"batch {k} @{marks[-1]}" for k in BATCH]
+            + ["masked tok", "clipped tok", "mean abs log r", "mismatch-KL"])  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, done, not_done in arm_rows(records, marks):
         cells = [cell([r["heldout"].get(s) for r in done]) for s in marks]
-        cells += [cell([window_mean(r["logs"], key, marks[-1]) for r in done]) for key in ("env/success", "reward")]
+        cells += [cell([window_mean(r["logs"], key, marks[-1]) for r in done]) for key in BATCH.values()]
         cells += [cell([run_mean(r["logs"], f"offpolicy/{k}") for r in done]) for k in RUN_MEANS]
         runs = f"{len(done)}" + (f" (+{len(not_done)} {', '.join(sorted({r['status'] for r in not_done}))})"
                                  if not_done else "")  # fmt: skip
@@ -165,25 +166,59 @@ def table(records: list[dict], marks: list[int]) -> list[str]:
     return lines
 
 
+def final_stats(done: list[dict], step: int) -> tuple[float, float] | None:
+    """Mean and SE (0 for one run) of the held-out accuracy at ``step`` over the runs that have it."""
+    vals = [r["heldout"][step] for r in done if step in r["heldout"]]
+    if not vals:
+        return None
+    m, se = ml.mean_se(vals)
+    return m, 0.0 if len(vals) == 1 else se
+
+
 def plot(by_group: dict[str, list[dict]], marks: list[int], path: Path) -> None:
+    """Held-out accuracy at the last step: against k (no masks, default masks strict and in-flight), per rescue at
+    k = 16 and beyond, and against the learning rate in the calibration."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [g for g in by_group if by_group[g]]
-    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.6), squeeze=False)
-    for ax, group in zip(axes[0], groups):
-        for arm, done, _ in arm_rows(by_group[group], marks):
-            ys = [(sum(v) / len(v) if (v := [r["heldout"][s] for r in done if s in r["heldout"]]) else None)
-                  for s in marks]  # fmt: skip
-            pts = [(x, y) for x, y in zip(marks, ys) if y is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=arm)
-        ax.set_title(group.replace("offpolicy_math_", ""))
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(f"held-out greedy accuracy ({N_EVAL} levels)")
-        ax.legend(fontsize=6)
+    end = marks[-1]
+    arms = {a: done for g in by_group.values() for a, done, _ in arm_rows(g, marks)}
+    fig, (ax_k, ax_r, ax_lr) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [1, 1.3, 0.8]})
+    for label, pick in (("strict, no masks", lambda a: a.endswith("strict, no masks") or a == "k=0 sync"),
+                        ("strict, default masks", lambda a: a.endswith("strict, default masks")),
+                        ("in-flight, default masks", lambda a: a.endswith("in-flight, default masks"))):
+        pts = sorted((int(a.split()[0][2:]), st) for a, d in arms.items() if pick(a) and (st := final_stats(d, end)))
+        if pts:
+            ax_k.errorbar([k for k, _ in pts], [m for _, (m, _) in pts], [se for _, (_, se) in pts], marker="o",
+                          capsize=3, label=label)  # fmt: skip
+    ax_k.set_xscale("symlog", linthresh=1)
+    ax_k.set_xlabel("policy lag k (max_async_level)")
+    ax_k.set_ylabel(f"held-out greedy accuracy @{end}")
+    ax_k.legend(fontsize=8)
+    rescues = [(a, st) for a, d in arms.items() if ("+" in a or "MIS" in a) and a[2:4] in ("16", "32", "64")
+               and "lr" not in a and (st := final_stats(d, end))]  # fmt: skip
+    if rescues:
+        ax_r.barh(range(len(rescues)), [m for _, (m, _) in rescues], xerr=[se for _, (_, se) in rescues], capsize=2)
+        ax_r.set_yticks(range(len(rescues)), [a for a, _ in rescues], fontsize=7)
+        ax_r.invert_yaxis()
+        for ref, style in (("k=0 sync", "-"), ("k=16 strict, no masks", "--"), ("k=16 strict, default masks", ":")):
+            if ref in arms and (st := final_stats(arms[ref], end)):
+                ax_r.axvline(st[0], color="k", linestyle=style, label=ref)
+        ax_r.legend(fontsize=7)
+    ax_r.set_xlabel(f"held-out greedy accuracy @{end}")
+    for label, prefix in (("k=0 sync", "k=0 sync, lr "), ("k=16 strict, no masks", "k=16 strict, no masks, lr ")):
+        pts = sorted((float(a[len(prefix):]), st) for a, d in arms.items() if a.startswith(prefix)
+                     and (st := final_stats(d, end)))  # fmt: skip
+        if pts:
+            ax_lr.errorbar([x for x, _ in pts], [m for _, (m, _) in pts], [se for _, (_, se) in pts], marker="o",
+                           capsize=3, label=label)  # fmt: skip
+    ax_lr.set_xscale("log")
+    ax_lr.set_xlabel("learning rate (calibration)")
+    ax_lr.set_ylabel(f"held-out greedy accuracy @{end}")
+    ax_lr.legend(fontsize=8)
+    fig.suptitle("Off-policy study on arithmetic (builtin_env, mean ± SE over seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -204,9 +239,10 @@ def main() -> None:
     lines = ["# Off-policy study in miniature (arithmetic, small operands, builtin_env, CPU)", "",
              "Generated by `uv run python experiments/offpolicy_study.py`; numbers as measured, mean ± standard error "
              f"over seeds. Held-out acc @s: greedy accuracy of the policy after s steps on {args.n_eval} held-out "
-             f"levels. Batch success / reward @{steps}: logged steps in ({steps - WINDOW}, {steps}], sampled by the "
-             "behaviour policy (k steps older under strict lag). Masked tok, clipped tok, mean abs log r and "
-             "mismatch-KL: means over the run's logged steps ('-': k = 0 runs TRL's own loss).", ""]
+             f"levels. Batch success / reward / invalid @{steps}: logged steps in ({steps - WINDOW}, {steps}], "
+             "sampled by the behaviour policy (k steps older under strict lag); invalid: the share of answers that are "
+             "not an integer in the answer format (reward -1). Masked tok, clipped tok, mean abs log r and mismatch-KL:"
+             " means over the run's logged steps ('-': k = 0 runs TRL's own loss).", ""]
     for group, records in by_group.items():
         spec = (SWEEPS / f"{group}.yaml").read_text().split("needs:")[0].replace("description: >", "").split()
         lines += [f"## {group}", "", " ".join(spec), "", f"`uv run sweep.py --config sweeps/{group}.yaml`", ""]

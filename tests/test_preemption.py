@@ -1,7 +1,7 @@
 """Preemption (trl_ext/runs/preemption.py): SIGTERM saves a complete checkpoint of the current step and exits 0, and
 ``--resume_from_checkpoint latest`` continues the run. End to end on the builtin model: one process (full fine-tune,
-bit for bit against an uninterrupted run; off-policy k = 1), two processes under torchrun, and the sweep's handling
-of a preempted child."""
+bit for bit against an uninterrupted run; off-policy k = 1; SFT mode), two processes under torchrun, and the sweep's
+handling of a preempted child."""
 
 from __future__ import annotations
 
@@ -245,3 +245,33 @@ def test_sigterm_two_processes_then_resume_matches_uninterrupted(tmp_path):
     assert any(expected[s]["reward_std"] > 0 for s in range(step + 1, 7))  # resumed steps with a learning signal
     for s in range(1, 7):
         assert {k: resumed[s][k] for k in KEYS} == {k: expected[s][k] for k in KEYS}, (s, step)
+
+
+SFT = ["--mode", "sft", "--env", "arithmetic", "--model", "builtin_env", "--sft_train_size", "64", "--sft_test_size",
+       "4", "--sft_epochs", "10", "--batch_size", "8", "--num_generations", "8", "--max_completion_length", "8",
+       "--save_steps", "2", "--logging_steps", "1", "--no_wandb", "--lr", "1e-3"]  # fmt: skip  (64 / 8 x 10 = 80 steps)
+
+
+@pytest.mark.slow
+def test_sigterm_sft_mode_then_resume(tmp_path):
+    """--mode sft: SIGTERM -> a complete checkpoint of the current step, status preempted, exit 0 and no model saved;
+    the resumed run trains the remaining steps (every step logged once) and saves the merged model."""
+    from trl_ext.models.builtin_env import ensure_builtin_env
+
+    ensure_builtin_env()
+    out = tmp_path / "s"
+    cmd = [sys.executable, "train.py", *SFT, "--output_dir", str(out)]
+    run_dir, proc, log = preempt(cmd, out, lambda p: [p.pid])
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    step = summary["steps"]
+    assert summary["status"] == "preempted" and summary["mode"] == "sft" and 3 <= step < 80, summary
+    assert summary["checkpoint"] == str(run_dir / f"checkpoint-{step}") and is_complete(summary["checkpoint"])
+    assert not (run_dir / "model").exists()
+    assert f"preempted at step {step} of 80" in (run_dir / "train.log").read_text()
+    again = subprocess.run([*cmd, "--resume_from_checkpoint", "latest"], cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    assert summary["status"] == "done" and (run_dir / "model" / "config.json").is_file()
+    state = json.loads((run_dir / "checkpoint-80" / "trainer_state.json").read_text())
+    assert [h["step"] for h in state["log_history"] if "loss" in h] == list(range(1, 81))

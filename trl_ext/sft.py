@@ -13,6 +13,8 @@
    the environment as ``--env_params`` configure it (slippery FrozenLake by default) for
    up to ``--max_turns`` turns, before and after training; success rate and mean return in
    ``run_summary.json``.
+4. SIGTERM (a scheduler's preemption): a complete checkpoint of the current step, ``run_summary.json`` status
+   "preempted", exit 0, no model saved; ``--resume_from_checkpoint latest`` continues (``trl_ext.runs.preemption``).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def run_sft(plan) -> int:
     from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
     from trl_ext.runlog import write_run_config
     from trl_ext.runs.mixin import CheckpointMixin
+    from trl_ext.runs.preemption import PreemptionCallback, preemption_handler
     from trl_ext.runs.rundir import open_run_dir
 
     class CheckpointedSFTTrainer(CheckpointMixin, SFTTrainer):
@@ -154,7 +157,19 @@ def run_sft(plan) -> int:
     trainer = CheckpointedSFTTrainer(model=model, args=sft_cfg, train_dataset=Dataset.from_list(records),
                          processing_class=tokenizer, peft_config=peft_config)  # fmt: skip
     start = time.time()
-    result = trainer.train(resume_from_checkpoint=str(plan.resume) if plan.resume else None)
+    with preemption_handler() as flag:  # SIGTERM: a checkpoint at the next step boundary, then exit 0 (as GRPO runs)
+        preemption = PreemptionCallback(flag, trainer.accelerator)
+        trainer.add_callback(preemption)
+        result = trainer.train(resume_from_checkpoint=str(plan.resume) if plan.resume else None)
+    steps = trainer.state.global_step
+    if preemption.stopped_at is not None and steps < trainer.state.max_steps:
+        summary = {"mode": "sft", "run_name": cfg.run_name, **preemption.summary(plan.run_dir, steps),
+                   "wall_s": round(time.time() - start, 1)}  # fmt: skip
+        (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"preempted at step {steps} of {trainer.state.max_steps}: {summary['checkpoint']} is complete; "
+              "continue with the same command and --resume_from_checkpoint latest", flush=True)
+        tee.close()
+        return 0
     model = trainer.model.merge_and_unload() if run.lora_rank else trainer.model
     model_dir = plan.run_dir / "model"
     model.save_pretrained(model_dir)
