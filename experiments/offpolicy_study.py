@@ -105,6 +105,18 @@ def cell(values: list[float | None]) -> str:
     return text if len(have) == len(values) else f"{text} (n={len(have)})"
 
 
+def paired_deltas(runs: list[dict], reference: list[dict], step: int) -> list[float]:
+    """Held-out accuracy at ``step`` minus the reference arm's, paired by seed (seeds both arms have at that step)."""
+    ref = {r["values"]["seed"]: r["heldout"][step] for r in reference if step in r["heldout"]}
+    return [r["heldout"][step] - ref[r["values"]["seed"]] for r in runs
+            if step in r["heldout"] and r["values"]["seed"] in ref]  # fmt: skip
+
+
+def reference_arm(arm: str) -> str:
+    """The synchronous arm an arm is compared with: k = 0 at the same learning rate."""
+    return "k=0 sync" + (arm[arm.index(", lr "):] if ", lr " in arm else "")
+
+
 # --- run directories ------------------------------------------------------------------------------------------------
 
 
@@ -142,7 +154,7 @@ def run_record(run, evals: dict, n_eval: int) -> dict:
 # --- report ---------------------------------------------------------------------------------------------------------
 
 
-def arm_rows(records: list[dict], marks: list[int]) -> list[tuple[str, list[dict], list[dict]]]:
+def arm_rows(records: list[dict]) -> list[tuple[str, list[dict], list[dict]]]:
     """(arm, finished runs, unfinished runs) in plan order."""
     arms: dict[str, tuple[list, list]] = {}
     for r in records:
@@ -152,12 +164,16 @@ def arm_rows(records: list[dict], marks: list[int]) -> list[tuple[str, list[dict
     return [(a, d, n) for a, (d, n) in arms.items()]
 
 
-def table(records: list[dict], marks: list[int]) -> list[str]:
-    head = (["arm", "runs"] + [f"held-out acc @{s}" for s in marks] + [f"batch {k} @{marks[-1]}" for k in BATCH]
+def table(records: list[dict], marks: list[int], arms: dict[str, list[dict]]) -> list[str]:
+    """One group's rows; ``arms``: every arm's finished runs, for the paired difference to k = 0."""
+    head = (["arm", "runs"] + [f"held-out acc @{s}" for s in marks] + [f"Δ vs k=0 @{marks[-1]} (paired)"]
+            + [f"batch {k} @{marks[-1]}" for k in BATCH]
             + ["masked tok", "clipped tok", "mean abs log r", "mismatch-KL"])  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for arm, done, not_done in arm_rows(records, marks):
+    for arm, done, not_done in arm_rows(records):
         cells = [cell([r["heldout"].get(s) for r in done]) for s in marks]
+        ref = arms.get(reference_arm(arm), [])
+        cells.append("-" if arm.startswith("k=0") else ml.fmt(d) if (d := paired_deltas(done, ref, marks[-1])) else "-")
         cells += [cell([window_mean(r["logs"], key, marks[-1]) for r in done]) for key in BATCH.values()]
         cells += [cell([run_mean(r["logs"], f"offpolicy/{k}") for r in done]) for k in RUN_MEANS]
         runs = f"{len(done)}" + (f" (+{len(not_done)} {', '.join(sorted({r['status'] for r in not_done}))})"
@@ -184,7 +200,7 @@ def plot(by_group: dict[str, list[dict]], marks: list[int], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     end = marks[-1]
-    arms = {a: done for g in by_group.values() for a, done, _ in arm_rows(g, marks)}
+    arms = {a: done for g in by_group.values() for a, done, _ in arm_rows(g)}
     fig, (ax_k, ax_r, ax_lr) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [1, 1.3, 0.8]})
     for label, pick in (("strict, no masks", lambda a: a.endswith("strict, no masks") or a == "k=0 sync"),
                         ("strict, default masks", lambda a: a.endswith("strict, default masks")),
@@ -242,11 +258,13 @@ def main() -> None:
              f"levels. Batch success / reward / invalid @{steps}: logged steps in ({steps - WINDOW}, {steps}], "
              "sampled by the behaviour policy (k steps older under strict lag); invalid: the share of answers that are "
              "not an integer in the answer format (reward -1). Masked tok, clipped tok, mean abs log r and mismatch-KL:"
-             " means over the run's logged steps ('-': k = 0 runs TRL's own loss).", ""]
+             " means over the run's logged steps ('-': k = 0 runs TRL's own loss). Δ vs k=0: held-out accuracy minus "
+             "that of k = 0 at the same learning rate and seed, mean ± SE over the seeds.", ""]
+    arms = {a: done for g in by_group.values() for a, done, _ in arm_rows(g)}
     for group, records in by_group.items():
         spec = (SWEEPS / f"{group}.yaml").read_text().split("needs:")[0].replace("description: >", "").split()
         lines += [f"## {group}", "", " ".join(spec), "", f"`uv run sweep.py --config sweeps/{group}.yaml`", ""]
-        lines += table(records, marks) + [""]
+        lines += table(records, marks, arms) + [""]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "offpolicy_study.md").write_text("\n".join(lines) + "\n![held-out accuracy per step, per group]"
                                                 "(offpolicy_study.png)\n")

@@ -68,3 +68,13 @@ def test_study_sweeps_plan_the_seed_arms():
         assert list(labels) == arms, group
         extra = {a: 5 for a in arms if a.endswith("lr 2e-4")}  # the calibration's two more seeds at the study's lr
         assert labels == {a: extra.get(a, 3) for a in arms}, group
+
+
+def test_paired_deltas_and_reference_arm():
+    run = lambda seed, acc: {"values": {"seed": seed}, "heldout": {600: acc}}  # noqa: E731
+    arm = [run("0", 0.1), run("1", 0.3), run("2", 0.2)]
+    ref = [run("1", 0.4), run("0", 0.4), {"values": {"seed": "2"}, "heldout": {400: 0.9}}]  # seed 2: no step 600
+    assert study.paired_deltas(arm, ref, 600) == pytest.approx([-0.3, -0.1])
+    assert study.paired_deltas(arm, [], 600) == []
+    assert study.reference_arm("k=16 strict, no masks, lr 3e-4") == "k=0 sync, lr 3e-4"
+    assert study.reference_arm("k=16 strict, no masks + TIS 2") == "k=0 sync"
