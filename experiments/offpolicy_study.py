@@ -45,6 +45,7 @@ EVALS = ROOT / "output" / "offpolicy_study" / "evals.json"
 N_EVAL = 400
 WINDOW = 100  # logged steps in (s - WINDOW, s] give the batch reward / success "at s"
 BATCH = {"success": "env/success", "reward": "reward", "invalid": "env/invalid_frac"}  # logged, windowed at the end
+COLLAPSED = 0.5  # "ended invalid": at least this share of invalid answers over the last WINDOW logged steps
 RUN_MEANS = ("masked_frac", "token_clipped_frac", "abs_log_ratio_mean", "mismatch_kl")
 NO_MASK = {"token_mask_low": "0", "token_mask_high": "1e10", "sequence_mask_low": "0", "sequence_mask_high": "1e10",
            "geo_mask_low": "0", "geo_mask_high": "1e10", "sequence_clip_high": "1e10"}  # fmt: skip
@@ -167,7 +168,7 @@ def arm_rows(records: list[dict]) -> list[tuple[str, list[dict], list[dict]]]:
 def table(records: list[dict], marks: list[int], arms: dict[str, list[dict]]) -> list[str]:
     """One group's rows; ``arms``: every arm's finished runs, for the paired difference to k = 0."""
     head = (["arm", "runs"] + [f"held-out acc @{s}" for s in marks] + [f"Δ vs k=0 @{marks[-1]} (paired)"]
-            + [f"batch {k} @{marks[-1]}" for k in BATCH]
+            + [f"batch {k} @{marks[-1]}" for k in BATCH] + ["ended invalid"]
             + ["masked tok", "clipped tok", "mean abs log r", "mismatch-KL"])  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, done, not_done in arm_rows(records):
@@ -175,6 +176,8 @@ def table(records: list[dict], marks: list[int], arms: dict[str, list[dict]]) ->
         ref = arms.get(reference_arm(arm), [])
         cells.append("-" if arm.startswith("k=0") else ml.fmt(d) if (d := paired_deltas(done, ref, marks[-1])) else "-")
         cells += [cell([window_mean(r["logs"], key, marks[-1]) for r in done]) for key in BATCH.values()]
+        invalid = [window_mean(r["logs"], BATCH["invalid"], marks[-1]) for r in done]
+        cells.append(f"{sum(v is not None and v >= COLLAPSED for v in invalid)}/{len(done)}")
         cells += [cell([run_mean(r["logs"], f"offpolicy/{k}") for r in done]) for k in RUN_MEANS]
         runs = f"{len(done)}" + (f" (+{len(not_done)} {', '.join(sorted({r['status'] for r in not_done}))})"
                                  if not_done else "")  # fmt: skip
@@ -257,9 +260,10 @@ def main() -> None:
              f"over seeds. Held-out acc @s: greedy accuracy of the policy after s steps on {args.n_eval} held-out "
              f"levels. Batch success / reward / invalid @{steps}: logged steps in ({steps - WINDOW}, {steps}], "
              "sampled by the behaviour policy (k steps older under strict lag); invalid: the share of answers that are "
-             "not an integer in the answer format (reward -1). Masked tok, clipped tok, mean abs log r and mismatch-KL:"
-             " means over the run's logged steps ('-': k = 0 runs TRL's own loss). Δ vs k=0: held-out accuracy minus "
-             "that of k = 0 at the same learning rate and seed, mean ± SE over the seeds.", ""]
+             f"not an integer in the answer format (reward -1); ended invalid: runs with invalid >= {COLLAPSED} there. "
+             "Masked tok, clipped tok, mean abs log r and mismatch-KL: means over the run's logged steps ('-': k = 0 "
+             "runs TRL's own loss). Δ vs k=0: held-out accuracy minus that of k = 0 at the same learning rate and "
+             "seed, mean ± SE over the seeds.", ""]
     arms = {a: done for g in by_group.values() for a, done, _ in arm_rows(g)}
     for group, records in by_group.items():
         spec = (SWEEPS / f"{group}.yaml").read_text().split("needs:")[0].replace("description: >", "").split()
