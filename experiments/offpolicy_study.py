@@ -19,7 +19,8 @@ the masked and clipped fractions, mean |log r| and mismatch-KL (prime-rl's k3 es
 Arms are mean ± standard error over seeds. A run that did not finish (e.g. stopped on a non-finite loss) is listed
 with its status and counted in no mean. Evaluations are cached in output/offpolicy_study/evals.json.
 
-Writes experiments/results/offpolicy_study.md (tables), offpolicy_study.json (per run) and offpolicy_study.png.
+Writes experiments/results/offpolicy_study.md (tables), offpolicy_study.json (per run: values, status, held-out
+curve, batch windows, run means) and offpolicy_study.png.
 """
 
 from __future__ import annotations
@@ -152,6 +153,14 @@ def run_record(run, evals: dict, n_eval: int) -> dict:
     return rec
 
 
+def run_summary(rec: dict, end: int) -> dict:
+    """What the JSON keeps of a run: its values, status, held-out curve, the batch windows at ``end`` and the run
+    means (the per-step logs stay in the run directory's trainer_state.json)."""
+    return {**{k: rec[k] for k in ("dir", "values", "status", "heldout")},
+            **{f"batch_{k}@{end}": window_mean(rec["logs"], key, end) for k, key in BATCH.items()},
+            **{k: run_mean(rec["logs"], f"offpolicy/{k}") for k in RUN_MEANS}}  # fmt: skip
+
+
 # --- report ---------------------------------------------------------------------------------------------------------
 
 
@@ -272,7 +281,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "offpolicy_study.md").write_text("\n".join(lines) + "\n![held-out accuracy per step, per group]"
                                                 "(offpolicy_study.png)\n")
-    (RESULTS / "offpolicy_study.json").write_text(json.dumps(by_group, indent=1))
+    (RESULTS / "offpolicy_study.json").write_text(json.dumps(
+        {g: [run_summary(r, steps) for r in records] for g, records in by_group.items()}, indent=1))
     plot(by_group, marks, RESULTS / "offpolicy_study.png")
     print("\n".join(lines))
 
