@@ -47,6 +47,8 @@ def test_sigterm_sets_a_flag_and_the_next_step_boundary_saves_and_stops(capsys):
         assert not _step_end(callback, 5).should_save  # decided once
         summary = callback.summary(Path("/r"), 4)
         assert summary["status"] == "preempted" and summary["checkpoint"] == "/r/checkpoint-4"
+        assert callback.notice(4, 10, Path("/r")) == ("preempted at step 4 of 10: /r/checkpoint-4 is complete; continue "
+                                                      "with the same command and --resume_from_checkpoint latest")
     assert signal.getsignal(signal.SIGTERM) is before  # restored outside the training run
 
 

@@ -304,8 +304,7 @@ def train_and_summarise(plan: Plan, trainer, preemption, tee) -> int:
     if main_process:
         (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
         if preempted:
-            print(f"preempted at step {steps} of {trainer.state.max_steps}: {summary['checkpoint']} is complete; "
-                  "continue with the same command and --resume_from_checkpoint latest", flush=True)
+            print(preemption.notice(steps, trainer.state.max_steps, plan.run_dir), flush=True)
         else:
             print(f"done: {plan.run_dir}", flush=True)
         tee.close()

@@ -166,8 +166,7 @@ def run_sft(plan) -> int:
         summary = {"mode": "sft", "run_name": cfg.run_name, **preemption.summary(plan.run_dir, steps),
                    "wall_s": round(time.time() - start, 1)}  # fmt: skip
         (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"preempted at step {steps} of {trainer.state.max_steps}: {summary['checkpoint']} is complete; "
-              "continue with the same command and --resume_from_checkpoint latest", flush=True)
+        print(preemption.notice(steps, trainer.state.max_steps, plan.run_dir), flush=True)
         tee.close()
         return 0
     model = trainer.model.merge_and_unload() if run.lora_rank else trainer.model

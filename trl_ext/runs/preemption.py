@@ -84,6 +84,11 @@ class PreemptionCallback(TrainerCallback):
                   f"{state.global_step} of {state.max_steps}) and stopping", flush=True)
         return control
 
+    def notice(self, steps: int, max_steps: int, run_dir) -> str:
+        """The line a preempted run ends its log with."""
+        return (f"preempted at step {steps} of {max_steps}: {run_dir / f'checkpoint-{self.stopped_at}'} is complete; "
+                "continue with the same command and --resume_from_checkpoint latest")
+
     def summary(self, run_dir, steps: int) -> dict:
         """run_summary.json fields of a preempted run."""
         ckpt = run_dir / f"checkpoint-{self.stopped_at}"
