@@ -33,7 +33,7 @@ from rewards.config import as_trl_reward
 from trl_ext.config import ExtGRPOConfig
 from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
 from trl_ext.models.arch import architecture_of, model_config
-from trl_ext.routing.trainer import build_dual_lora_model
+from trl_ext.routing.setup import build_dual_lora_model
 from trl_ext.trainer import ExtGRPOTrainer
 
 ALPHA = 16.0

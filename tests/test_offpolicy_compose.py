@@ -153,7 +153,7 @@ def routed_offpolicy_trainer(tiny_dir, tmp_path):
     from datasets import Dataset
 
     from trl_ext.config import ExtGRPOConfig
-    from trl_ext.routing.trainer import build_dual_lora_model
+    from trl_ext.routing.setup import build_dual_lora_model
     from trl_ext.trainer import ExtGRPOTrainer
 
     path, tok = tiny_dir
@@ -225,6 +225,7 @@ class _Stub(DistillMixin):
         self.model, self.rollout_columns = SimpleNamespace(training=True), {}
         self.num_generations = 2
         self._metrics = {"train": defaultdict(list, frac_reward_zero_std=[0.0])}
+        self.accelerator = SimpleNamespace(num_processes=1, process_index=0)
 
     def score_teacher(self, batch, prompts=None):
         return self._lp_teacher

@@ -1,6 +1,7 @@
 """Several processes as ONE run (torchrun, 2 CPU processes, gloo): the parse-time refusals of what is not yet verified
-there, the equivalence of 2 processes x B/2 with 1 process x B, the run directory written once, and a failing rank
-ending the whole launch.
+there, the equivalence of 2 processes x B/2 with 1 process x B (full, LoRA, distillation, dual LoRA, routing), the
+run directory written once, train.py runs of the features (routing, distillation with the fast backend and saved
+rollouts, --dataset columns with --eval_rewards), and a failing rank ending the whole launch.
 
 Equivalence design: sampling differs between 1 and 2 processes (each rank draws from its own generator state), so the
 completions are scripted: `ScriptedTrainer._generate_single_turn` returns token ids that are a function of the prompt
@@ -43,15 +44,10 @@ def _parse(argv: list[str]):
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("gradient_routing", True, r"--gradient_routing: gradient routing / dual LoRA"),
-    ("lora_config", "r4", r"--lora_config r4: gradient routing / dual LoRA"),
-    ("eval_routing_steps", 5, r"--eval_routing_steps 5: gradient routing / dual LoRA"),
-    ("teacher_model", "builtin_mood", r"--teacher_model builtin_mood: distillation"),
-    ("max_async_level", 1, r"--max_async_level 1: off-policy training"),
+    ("eval_baseline", True, r"--eval_baseline: --eval_baseline \(each process would sample the baseline and write "
+                            r"its json\)"),
     ("mode", "sft", r"--mode sft: SFT mode"),
     ("env", "bandit", r"--env bandit: environments"),
-    ("generation_backend", "fast", r"--generation_backend fast: the fast generation backend"),
-    ("save_rollouts", True, r"--save_rollouts: saved rollouts"),
     ("use_vllm", True, r"--use_vllm: vLLM generation"),
     ("eval_strategy", "steps", r"--eval_strategy steps: TRL's eval loop"),
 ])  # fmt: skip
@@ -70,13 +66,12 @@ def test_cfg_features_refused_on_two_processes(flag, value, message):
 def test_parsed_flag_refused_while_parsing(monkeypatch):
     """ExtGRPOConfig checks before TrainingArguments starts a process group (WORLD_SIZE alone: none could start)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"--max_async_level 1: off-policy training runs on one process for now"):
-        _parse(["--reward", "happy_binary", "--max_async_level", "1"])
+    with pytest.raises(ConfigError, match=r"--env bandit: environments runs on one process for now"):
+        _parse(["--env", "bandit"])
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"dataset": "x.jsonl"}, r"--dataset x.jsonl: --dataset prompts"),
-    ({"eval_rewards": "happy_count"}, r"--eval_rewards happy_count: --eval_rewards \(each process"),
+    ({"eval_dataset": "x.jsonl"}, r"--eval_dataset x.jsonl: --eval_dataset prompts"),
     ({"rebuild_builtin": True}, r"--rebuild_builtin: rebuilding the builtin model"),
 ])  # fmt: skip
 def test_run_features_refused_on_two_processes(kwargs, message, monkeypatch):
@@ -91,9 +86,12 @@ def test_run_features_refused_on_two_processes(kwargs, message, monkeypatch):
 
 
 def test_allowed_runs_pass_and_get_gloo():
-    """Story rewards, k = 0, full and LoRA, TRL generation: allowed; on CPU they get use_cpu + gloo, which is what
-    makes accelerate's PartialState choose MULTI_CPU (parallel_mode DISTRIBUTED) instead of an unused group."""
-    for extra in ([], ["--lora_rank", "4"], ["--generation_backend", "trl", "--beta", "0"]):
+    """Story rewards, k = 0, full and LoRA, either generation backend, distillation, saved rollouts: allowed; on CPU
+    they get use_cpu + gloo, which is what makes accelerate's PartialState choose MULTI_CPU (parallel_mode DISTRIBUTED)
+    instead of an unused group."""
+    for extra in ([], ["--lora_rank", "4"], ["--generation_backend", "trl", "--beta", "0"],
+                  ["--generation_backend", "fast", "--save_rollouts"],
+                  ["--lora_rank", "4", "--teacher_tau", "0.1", "--teacher_context", "x", "--kl_only_incorrect"]):
         run, cfg = _parse(["--reward", "happy_binary", *extra])
         check_run_processes(run, TWO)
         check_cfg_processes(cfg, TWO)
@@ -144,7 +142,12 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process(tiny_llama, tmp_path):
-    """One optimizer step, full fine-tune and LoRA: 2 processes x 4 completions == 1 process x 8, within 1e-5."""
+    """One optimizer step, full fine-tune, LoRA, distillation (both paths, one group split over the processes), dual
+    LoRA, gradient routing (single- and two-pass, labels drawn at recall 0.5) and the off-policy IS loss with the
+    default masks (k = 1, a scripted generator per process): 2 processes x 4 completions == 1 process x 8, within
+    1e-5."""
+    import json
+
     import torch
 
     one, two = tmp_path / "one", tmp_path / "two"
@@ -153,13 +156,24 @@ def test_two_processes_equal_one_process(tiny_llama, tmp_path):
     assert single.returncode == 0, single.stderr[-3000:]
     double = torchrun([__file__, "equivalence", str(two), str(tiny_llama)])
     assert double.returncode == 0, double.stderr[-3000:]
-    for variant in ("full", "lora"):
+    for variant in [v[0] for v in VARIANTS(None)]:
         init, a, b = (torch.load(p / f"{variant}.pt") for p in (one / "init", one, two))
         assert a.keys() == b.keys() and a.keys() == init.keys() and len(a) > 0
         moved = max((a[k] - init[k]).abs().max().item() for k in a)
         assert moved > 1e-2, f"{variant}: the step did not move the parameters ({moved})"
         worst = max((a[k] - b[k]).abs().max().item() for k in a)
         assert worst < 1e-5, f"{variant}: 2 processes differ from 1 process by {worst}"
+    def gap(x: str, y: str) -> float:
+        a, b = torch.load(one / f"{x}.pt"), torch.load(one / f"{y}.pt")
+        return max((a[k] - b[k]).abs().max().item() for k in a)
+
+    assert gap("distill_full", "lora") > 1e-2 and gap("distill_token", "lora") > 1e-2  # measured: 0.17, 0.22
+    assert gap("routed_single", "dual_lora") > 1e-2  # routing changed the step (measured: 0.034)
+    assert gap("routed_single", "routed_two_pass") < 1e-6  # the two backward modes agree (measured: 0)
+    logs = [json.loads((d / "offpolicy.json").read_text()) for d in (one, two)]  # the IS loss masked some tokens
+    assert 0 < logs[0]["offpolicy/masked_frac"] < 1 and logs[0]["offpolicy/policy_lag_max"] == 0  # measured: 0.357
+    for name in ("offpolicy/masked_frac", "offpolicy/ratio_max", "offpolicy/mismatch_kl", "entropy"):
+        assert abs(logs[0][name] - logs[1][name]) < 1e-5, name  # logged over both processes
 
 
 @pytest.mark.slow
@@ -293,9 +307,9 @@ def test_refused_feature_exits_2_before_any_process_group(monkeypatch, capsys):
     from trl_ext.cli_train import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["--reward", "happy_binary", "--max_async_level", "1"]) == 2
+    assert main(["--env", "bandit"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("train.py: error: --max_async_level 1: off-policy training runs on one process for now")
+    assert err.startswith("train.py: error: --env bandit: environments runs on one process for now")
     assert not dist.is_initialized()
 
 
@@ -311,11 +325,60 @@ def _length_reward(completions, completion_ids, **kwargs):
     return [float(len(ids)) for ids in completion_ids]
 
 
+# Distillation (LoRA: the base weights with the teacher context teach) with ONE group of 8 over the global batch of 8:
+# on 2 processes each holds half of the group, so its baseline needs the other process's log-probs.
+DISTILL = {"num_generations": GLOBAL_BATCH, "teacher_tau": 0.5, "student_tau": 0.1, "teacher_context": "A happy tale."}
+
+
+# Gradient routing (dual LoRA r4, exclusive, retain-only renormalisation) with recall 0.5: the labels are drawn over the whole
+# batch, so 1 and 2 processes label the same samples; both backward modes.
+ROUTED = {"lora_config": "r4", "gradient_routing": True, "routing_mode": "exclusive", "rh_detector_recall": 0.5,
+          "eval_routing_steps": 0}
+
+
+def _odd_length(completions: list[str]) -> list[bool]:
+    return [len(c.split()) % 2 == 1 for c in completions]
+
+
+def VARIANTS(lora):  # noqa: N802 (the table of run_equivalence: name, peft_config, config flags, trainer arguments)
+    return (("full", None, {}, {}), ("lora", lora, {}, {}), ("distill_full", lora, DISTILL, {}),
+            ("distill_token", lora, {**DISTILL, "use_full_reward_baseline": False}, {}),
+            ("dual_lora", None, {"lora_config": "r4", "eval_routing_steps": 0}, {}),
+            ("routed_single", None, ROUTED, {"rh_detector": _odd_length}),
+            ("routed_two_pass", None, {**ROUTED, "routing_two_pass": True}, {"rh_detector": _odd_length}),
+            ("offpolicy", None, {"max_async_level": 1}, {}))  # fmt: skip
+
+
+def _behaviour_logprob(t: int) -> float:
+    """The scripted generator's behaviour log-prob of token t: far enough from the policy's (about -5.6 on the tiny
+    model) that the default token mask [1/8, 8] drops some tokens and keeps others."""
+    return -3.0 - 1.5 * (t % 4)
+
+
+class ScriptedSampler:
+    """The off-policy generator's sampler with scripted completions (`_scripted`, global positions as in
+    ScriptedTrainer) and `_behaviour_logprob` behaviour log-probs, stamped with the loaded policy version."""
+
+    def __init__(self, tokenizer, rank: int):
+        self.tok, self.rank = tokenizer, rank
+
+    def sample(self, prompt_ids, params, rng, before_step):
+        from trl_ext.generation.sampler import Sampled
+
+        version, first = before_step(0), self.rank * len(prompt_ids)
+        avoid = {self.tok.eos_token_id, self.tok.pad_token_id}
+        ids = [_scripted(list(p), first + i, len(self.tok), avoid) for i, p in enumerate(prompt_ids)]
+        return Sampled(ids, [[_behaviour_logprob(t) for t in range(len(c))] for c in ids],
+                       [[version] * len(c) for c in ids])  # fmt: skip
+
+
 def run_equivalence(out: Path, model: str) -> None:
-    """One optimizer step of full fine-tune and LoRA on ``model``; the main process saves the trainable parameters
+    """One optimizer step of each `VARIANTS` entry on ``model``; the main process saves the trainable parameters
     (and, on one process, their initial values) to ``out``. Plain SGD, so that the step compares the gradients: Adam's
     first step is lr * g / (|g| + eps), which turns float rounding of a near-zero gradient into up to lr differences
     (measured: 9e-6 at lr 1e-3 for the full model)."""
+    import json
+
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -333,15 +396,20 @@ def run_equivalence(out: Path, model: str) -> None:
     torch.set_num_threads(1)
     n = int(os.environ.get("WORLD_SIZE", "1"))
     out.mkdir(parents=True, exist_ok=True)
-    for variant, peft in (("full", None), ("lora", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                               task_type="CAUSAL_LM"))):  # fmt: skip
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    for variant, peft, extra, trainer_extra in VARIANTS(lora):
         cfg = ExtGRPOConfig(output_dir=str(out / variant), per_device_train_batch_size=GLOBAL_BATCH // n,
-                            num_generations=GROUP, max_steps=1, max_completion_length=8, learning_rate=LR,
-                            optim="sgd", report_to=[], save_strategy="no", logging_steps=1, seed=0,
-                            disable_dropout=True)  # fmt: skip
+                            max_steps=1, max_completion_length=8, learning_rate=LR, optim="sgd", report_to=[],
+                            save_strategy="no", logging_steps=1, seed=0, disable_dropout=True,
+                            **{"num_generations": GROUP, **extra})  # fmt: skip
         trainer = ScriptedTrainer(model=model, reward_funcs=[_length_reward], args=cfg, peft_config=peft,
-                                  train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}))  # fmt: skip
+                                  train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), **trainer_extra)
         assert trainer.args.world_size == n and trainer.accelerator.num_processes == n
+        if cfg.max_async_level:  # the generator thread samples with the scripted sampler
+            import trl_ext.offpolicy.worker as worker
+
+            rank = trainer.accelerator.process_index
+            worker.make_sampler = lambda backend, m, tok=trainer.processing_class: ScriptedSampler(tok, rank)
         model_ = trainer.accelerator.unwrap_model(trainer.model)
         params = lambda: {k: p.detach().clone() for k, p in model_.named_parameters() if p.requires_grad}  # noqa: E731
         if n == 1:
@@ -350,6 +418,7 @@ def run_equivalence(out: Path, model: str) -> None:
         trainer.train()
         if trainer.accelerator.is_main_process:
             torch.save(params(), out / f"{variant}.pt")
+            (out / f"{variant}.json").write_text(json.dumps(trainer.state.log_history[0]))
         trainer.accelerator.wait_for_everyone()
 
 

@@ -72,7 +72,7 @@ def make_loss_fn(model, fused_head=False):
         ratio = torch.exp(logp - logp.detach())
         per_token = -ratio * batch["advantages"][:, None] + 0.1 * logp**2
         m = batch["completion_mask"]
-        return ((per_token * m).sum(-1) / m.sum(-1)).mean()
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
 
     return loss_fn
 
@@ -135,6 +135,29 @@ def test_single_pass_equals_two_pass(mode, pattern, adapter):
     assert max_diff(r1, r2) <= 1e-10 and max_diff(f1, f2) <= 1e-10
     assert max_diff(r1, retain_def) <= 1e-10 and max_diff(f1, forget_def) <= 1e-10
     assert abs(loss1.item() - loss2.item()) <= 1e-12
+
+
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_two_pass_keep_rows_equals_subsets(mode, pattern):
+    """Several processes' two-pass step (``keep_rows``: every pass on all rows, the other side's completion mask
+    zeroed) gives the subset passes' gradients; with both sides forced (another process has the side this one lacks)
+    the empty side's pass adds exactly 0 and the loss is called twice on full-size batches."""
+    _, r_ref, f_ref = run(two_pass_backward, pattern, mode)
+    model = make_model()
+    loss_fn, sizes = make_loss_fn(model), []
+
+    def counted(batch):
+        sizes.append(int(batch["input_ids"].shape[0]))
+        return loss_fn(batch)
+
+    two_pass_backward(counted, make_batch(), torch.tensor(PATTERNS[pattern]), model, mode, sides=(True, True),
+                      keep_rows=True)  # fmt: skip
+    assert sizes == [N, N]
+    r, f = grads(retain_params(model)), grads(forget_params(model))
+    assert max_diff(r, r_ref) <= 1e-12 and max_diff(f, f_ref) <= 1e-12
+    with pytest.raises(ValueError, match="sides needs keep_rows"):
+        two_pass_backward(counted, make_batch(), torch.tensor(PATTERNS[pattern]), model, mode, sides=(True, True))
 
 
 def test_gpt2_adapters_wrap_its_conv1d_layers():

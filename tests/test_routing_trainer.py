@@ -16,7 +16,8 @@ from trl_ext.routing.checkpoint import load_dual_lora_checkpoint
 from trl_ext.routing.layout import load_layout
 from trl_ext.routing.evaluation import evaluate_modes, read_records, score_completions
 from trl_ext.routing.step import routing_labels
-from trl_ext.routing.trainer import AdaptersDisabledReference, build_dual_lora_model
+from trl_ext.routing.setup import build_dual_lora_model
+from trl_ext.routing.trainer import AdaptersDisabledReference
 from trl_ext.trainer import ExtGRPOTrainer
 
 SEED = 42

@@ -185,22 +185,24 @@ def test_multi_process_plan_names_and_restores(tmp_path):
     one, two = _plan(tmp_path), _plan(tmp_path, procs=2)
     assert [r.name + "_procs2" for r in one] == [r.name for r in two]
     assert processes.launched_processes({}) == (1, None)  # the planning patch is gone
-    with pytest.raises(ConfigError, match="--save_rollouts: saved rollouts runs on one process for now; this "
-                                          r"launch has 2 processes \(--procs_per_run=2\)"):
-        _plan(tmp_path, "save_rollouts=true", procs=2)
+    with pytest.raises(ConfigError, match=r"--rebuild_builtin: rebuilding the builtin model \(every process would "
+                                          r"rebuild it\) runs on one process for now; this launch has 2 processes "
+                                          r"\(--procs_per_run=2\)"):
+        _plan(tmp_path, "rebuild_builtin=true", procs=2)
     assert processes.launched_processes({}) == (1, None)
-    assert len(_plan(tmp_path, "save_rollouts=true")) == 9  # allowed on one process
+    assert len(_plan(tmp_path, "rebuild_builtin=true")) == 9  # allowed on one process
     assert sw.resumable(1) and sw.resumable(2) == all(f != "resume_from_checkpoint" for f, *_ in processes.CFG_FLAGS)
 
 
 def test_refused_multi_process_grid_exits_2_before_any_run(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(sw, "execute", lambda *a, **k: pytest.fail("launched despite a refused run"))
-    argv = ["--reward", "happy_binary", "--grid", "max_async_level=0,1", "--fixed", f"output_dir={tmp_path}"]
+    argv = ["--reward", "happy_binary", "--grid", "rebuild_builtin=false,true", "--fixed", f"output_dir={tmp_path}"]
     assert sw.main([*argv, "--procs_per_run", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("sweep.py: error: run 2 (max_async_level=1): --max_async_level 1: off-policy training runs "
-                          "on one process for now; this launch has 2 processes (--procs_per_run=2)"), err
+    assert err.startswith("sweep.py: error: run 2 (rebuild_builtin=true): --rebuild_builtin: rebuilding the builtin "
+                          "model (every process would rebuild it) runs on one process for now; this launch has 2 "
+                          "processes (--procs_per_run=2)"), err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -62,8 +62,8 @@ def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         if named.get("processing_class") is None:
             named["processing_class"] = prepare_tokenizer(load_tokenizer(model))
         if cfg.dual_lora and named.get("dual_lora_layout") is None:
+            from trl_ext.routing.setup import build_dual_lora_model
             from trl_ext.routing.step import resolve_dual_lora_alpha
-            from trl_ext.routing.trainer import build_dual_lora_model
 
             if cfg.dual_lora_alpha is None:  # train.py resolves it from --lora_alpha (routing.args.check_run_routing)
                 cfg.dual_lora_alpha = resolve_dual_lora_alpha(cfg.lora_config, DEFAULT_LORA_ALPHA, False)

@@ -209,7 +209,7 @@ def run_training(plan: Plan) -> int:
     from environments.stories import load_prompts
     from rewards.config import trl_reward_args
     from trl_ext.launch.processes import barrier, describe_launch, is_main, launch_record
-    from trl_ext.routing.trainer import routing_setup
+    from trl_ext.routing.setup import routing_setup
     from trl_ext.runlog import write_run_config
     from trl_ext.runs.preemption import PreemptionCallback, preemption_handler
     from trl_ext.runs.rundir import open_run_dir

@@ -144,8 +144,8 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
         if estimate.advantages is not None:
             batch["advantages"] = local_slice(estimate.advantages, proc, n).to(batch["advantages"])
         self.routing_trace_stage(batch, scored, pre)
-        if distill is not None and self._metrics[mode]["frac_reward_zero_std"]:
-            no_signal = self.distill_no_signal(batch["advantages"], distill, group)
+        if distill is not None and self._metrics[mode]["frac_reward_zero_std"]:  # whole batch: groups intact
+            no_signal = self.distill_no_signal(estimate.advantages, distill, group)
             self._metrics[mode]["frac_reward_zero_std"][-1] = no_signal.float().mean().item()
         self._record_batch(batch, mode)  # 5
         check_batch(batch, self.batch_features(mode))
@@ -167,8 +167,8 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
             texts = self.decode_completions(batch)
             for name, fn in self.eval_reward_funcs.items():
                 eval_values[name] = score(fn, texts, self.reward_context)
-                values = torch.tensor(eval_values[name], dtype=torch.float32)
-                self._metrics[mode][f"eval_rewards/{name}"].append(values.mean().item())
+                values = torch.tensor(eval_values[name], dtype=torch.float32, device=self.accelerator.device)
+                self._metrics[mode][f"eval_rewards/{name}"].append(self.accelerator.gather(values).mean().item())
         if self._rollout_features is not None and mode == "train":
             self.write_rollouts(batch, eval_values)
         if mode == "train":
@@ -200,9 +200,11 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
             segments = [[{"source": "agent", "text": text}] for text in completions]
         rewards = self._local_rewards
         weights = self.reward_weights.to(rewards.device)
+        first = self.accelerator.process_index * n  # this process's rows of the generation batch (TRL's order)
         cols: dict[str, list] = {
-            "step": [self.state.global_step + 1] * n, "sample": list(range(n)),
-            "group": [i // self.num_generations for i in range(n)], "prompt": prompts, "completion": completions,
+            "step": [self.state.global_step + 1] * n, "sample": list(range(first, first + n)),
+            "group": [(first + i) // self.num_generations for i in range(n)], "prompt": prompts,
+            "completion": completions,
             "segments": segments, "reward": (rewards * weights).nansum(1).double().tolist(),
             **{f"reward/{name}": rewards[:, j].double().tolist() for j, name in enumerate(self.reward_func_names)},
             **{f"eval_reward/{name}": [float(v) for v in values] for name, values in eval_values.items()},
@@ -219,7 +221,13 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
             cols[key] = values
         for key in rollouts.OPTIONAL_COLUMNS:
             cols.setdefault(key, [None] * n)
-        path = rollouts.shard_path(self.args.output_dir, self.state.global_step + 1, self.accelerator.process_index)
+        if self.accelerator.num_processes > 1:  # one shard per step, written by the main process
+            from accelerate.utils import gather_object
+
+            cols = {key: gather_object(values) for key, values in cols.items()}
+            if not self.accelerator.is_main_process:
+                return
+        path = rollouts.shard_path(self.args.output_dir, self.state.global_step + 1, 0)
         rollouts.write_shard(path, cols, self._rollout_features)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

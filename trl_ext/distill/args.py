@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from trl_ext.distill.advantages import DistillConfig
+from trl_ext.launch.processes import launched_processes
 from trl_ext.registry import ConfigError
 
 
@@ -78,7 +79,9 @@ class DistillArgs:
             return
         if self.teacher_tau == 0 and has_teacher_flag and not self.eval_baseline:
             raise ConfigError("--teacher_model/--teacher_context have no effect with --teacher_tau 0")
-        self.distill_config().validate(self.num_generations, self.per_device_train_batch_size, teacher_available)
+        processes, _ = launched_processes()  # groups are formed over the global batch (TRL's sampler)
+        self.distill_config().validate(self.num_generations, self.per_device_train_batch_size * processes,
+                                       teacher_available)
         if not self.temperature > 0:
             raise ConfigError(f"distillation scores log-probs at the sampling temperature: --temperature must be > 0, "
                               f"got {self.temperature}")

@@ -6,13 +6,14 @@
 One step with distillation on (``--teacher_tau > 0``, ``--student_tau > 0`` or ``--skip_verification``):
 1. reward stage (`distill_record_task`): the task reward as TRL computes it, kept for the composition; with
    ``--skip_verification`` no reward function is called (zeros go to TRL's bookkeeping only).
-2. scorer stage (`distill_score`, the whole generation batch, groups intact): the teacher scores the agent tokens
+2. scorer stage (`distill_score`): the teacher scores this process's agent tokens
    of the sampled completions (environment tokens are read, not scored) on ``context + prompt`` (plain text) or
    on the chat prompt with the context as its system message (chat prompts, `teacher_messages`); the student's
    sampling log-probs are the behaviour log-probs of the batch when it has them (off-policy rollouts, vLLM), else
    TRL's ``old_per_token_logps``, else one no-grad forward of the policy (same temperature). Token path:
    ``distill_lp_teacher`` [B, C] and ``distill_gate`` [B] join the batch dict, so TRL's shuffle and split keep
-   them aligned.
+   them aligned. The composition and its group baselines run on the whole generation batch, groups intact: with
+   several processes the log-probs are gathered (TRL places a group's members wherever its sampler puts them).
 3. estimator stage (``trl_ext.estimator``): distillation's advantages (no std scaling) replace TRL's, or a routing
    arm renormalises distillation's reward.
 4. loss stage (`distill_token_bonus`, token path ``--no_use_full_reward_baseline``): right after the loss computes
@@ -46,7 +47,7 @@ from trl_ext.distill.teacher import (
     teacher_logprobs,
     teacher_messages,
 )
-from trl_ext.estimator import weighted_rewards
+from trl_ext.estimator import local_slice, weighted_rewards
 from trl_ext.registry import ConfigError
 from trl_ext.runs.rollouts import masked_sums
 
@@ -66,10 +67,6 @@ class DistillMixin:
             self._distill_context_ids = encode_context(self.processing_class, self.args.teacher_context)
             if self.args.teacher_model:
                 self.distill_teacher = _load_teacher(self.args.teacher_model, self.model, self.accelerator.device)
-        if not on:
-            return
-        if self.accelerator.num_processes != 1:
-            raise ConfigError("distillation computes group baselines on one process's batch: use a single process")
 
     # ------------------------------------------------------------------ teacher
     @contextmanager
@@ -169,18 +166,28 @@ class DistillMixin:
         lp_student = self.student_sampling_logps(batch) if cfg.has_kl else None
         group = self.num_generations if mode == "train" else self.num_generations_eval
         task, self._distill_task = self._distill_task, None
-        result = distill_advantages(task, lp_teacher, lp_student, mask, cfg, group)
         for name, lp in (("teacher_logprob_sum", lp_teacher), ("student_logprob_sum", lp_student)):
             if lp is not None:
                 self.rollout_columns[name] = masked_sums(lp, mask)
+        # Groups over the whole batch: TRL may place a group's members on several processes (``task`` is already
+        # gathered, in process order), so the log-probs are gathered too, padded to the longest completion.
+        every = self.gather_rows
+        result = distill_advantages(task, every(lp_teacher), every(lp_student), every(mask), cfg, group)
         if result.token_level:
             if lp_teacher is not None:
                 batch["distill_lp_teacher"] = lp_teacher
             if result.gate is not None:
-                batch["distill_gate"] = result.gate
-        for name, value in distill_metrics(result, lp_teacher, lp_student, mask).items():
+                batch["distill_gate"] = local_slice(result.gate, self.accelerator.process_index, mask.size(0))
+        for name, value in distill_metrics(result, every(lp_teacher), every(lp_student), every(mask)).items():
             self._metrics[mode][name].append(value)
         return result
+
+    def gather_rows(self, values: torch.Tensor | None) -> torch.Tensor | None:
+        """``[n, C]`` rows of every process, in process order ``[n * processes, max C]`` (zero padding, outside
+        every mask); the tensor itself on one process."""
+        if values is None or self.accelerator.num_processes == 1:
+            return values
+        return self.accelerator.gather(self.accelerator.pad_across_processes(values, dim=1, pad_index=0))
 
     def distill_no_signal(self, advantages: torch.Tensor, result: DistillAdvantages, group: int) -> torch.Tensor:
         """Per group: neither the advantages nor a token bonus move the policy (the zero-signal monitor's input;

@@ -73,8 +73,6 @@ class GenerationMixin:
                 self._fast_sampler = FastSampler(self.accelerator.unwrap_model(self.model))
             except ValueError as e:
                 raise ConfigError(f"--generation_backend fast: {e}") from e
-            if self.accelerator.num_processes != 1:
-                raise ConfigError("--generation_backend fast runs on one process")
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self._fast_sampler is None:

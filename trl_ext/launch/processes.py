@@ -57,29 +57,22 @@ def check_single_process(cli: str, environ: Mapping[str, str] | None = None) -> 
 # ------------------------------------------------------------------------------------------ what runs on N processes
 def _feature_groups() -> dict[type, str]:
     """Flag dataclasses whose every field must keep its default on several processes -> the feature's name."""
-    from trl_ext.distill.args import DistillArgs
     from trl_ext.env.args import EnvArgs
-    from trl_ext.offpolicy.args import OffPolicyArgs
-    from trl_ext.routing.args import RoutingArgs
     from trl_ext.sft import SFTArgs
 
-    return {RoutingArgs: "gradient routing / dual LoRA", DistillArgs: "distillation",
-            OffPolicyArgs: "off-policy training", EnvArgs: "environments", SFTArgs: "SFT mode"}  # fmt: skip
+    return {EnvArgs: "environments", SFTArgs: "SFT mode"}  # fmt: skip
 
 
 # Single flags (ExtGRPOConfig / TrainingArguments): (field, value allowed on several processes, feature).
 CFG_FLAGS = (
-    ("generation_backend", "trl", "the fast generation backend"),
-    ("save_rollouts", False, "saved rollouts"),
     ("use_vllm", False, "vLLM generation"),
     ("use_transformers_continuous_batching", False, "continuous-batching generation"),
     ("eval_strategy", "no", "TRL's eval loop"),
+    ("eval_baseline", False, "--eval_baseline (each process would sample the baseline and write its json)"),
 )
 # RunArgs flags: (field, value allowed, feature).
 RUN_FLAGS = (
-    ("dataset", None, "--dataset prompts"),
     ("eval_dataset", None, "--eval_dataset prompts"),
-    ("eval_rewards", "", "--eval_rewards (each process would log its own half of the batch)"),
     ("rebuild_builtin", False, "rebuilding the builtin model (every process would rebuild it)"),
 )
 
@@ -106,7 +99,7 @@ def check_run_processes(run, environ: Mapping[str, str] | None = None) -> None:
 
 def unverified_feature(cfg) -> tuple[str, object, str] | None:
     """(flag, value, feature) of the first ExtGRPOConfig feature not yet verified beyond one plain process (any
-    routing, distillation, off-policy, environment or SFT flag away from its default, and `CFG_FLAGS`); None."""
+    environment or SFT flag away from its default, and `CFG_FLAGS`); None."""
     for group, feature in _feature_groups().items():
         for f in dataclasses.fields(group):
             if not f.init or f.default is dataclasses.MISSING:
@@ -182,6 +175,26 @@ def on_main(fn, *args, **kwargs):
     if status == "error":
         raise ConfigError(value)
     return value
+
+
+def average_gradients(params: list) -> None:
+    """DDP's gradient all-reduce done by hand, for a backward DDP cannot sync itself (the routed step): the
+    gradients of ``params`` (the same parameters in the same order on every process; a missing gradient counts 0)
+    summed over the processes in one flat buffer and divided by their number, as DDP averages."""
+    rank, size = world()
+    if size == 1 or not params:
+        return
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= size
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+        offset += g.numel()
 
 
 def barrier() -> None:

@@ -58,8 +58,6 @@ class OffPolicyMixin:
         if (self.rollout_func is not None and not self.args.env) or self.tools or self.environment_factories is not None:
             raise ConfigError("--max_async_level >= 1 drives single-turn generation and the --env episode loop; "
                               "not another rollout_func, tools or environment factories")
-        if self.accelerator.num_processes != 1:
-            raise ConfigError("--max_async_level >= 1 runs one generator thread: use a single process")
         if not hasattr(self.train_dataset, "__getitem__"):
             raise ConfigError("--max_async_level >= 1 needs an indexable (map-style) train dataset")
         self.add_callback(_PublishWeights(self))
@@ -91,7 +89,8 @@ class OffPolicyMixin:
         )  # fmt: skip
         self._rollout_worker = RolloutWorker(
             gen_model, store, params, max_async_level=args.max_async_level, strict=args.strict_async_level,
-            start_step=start, seed=args.seed, backend=args.generation_backend, num_threads=gen_threads,
+            start_step=start, seed=args.seed, rank=self.accelerator.process_index, backend=args.generation_backend,
+            num_threads=gen_threads,
             autocast=self.accelerator.autocast,
             episode_fn=self._episode_fn() if args.env else None,
         )  # fmt: skip
@@ -123,18 +122,22 @@ class OffPolicyMixin:
         torch.set_num_threads(self._saved_threads)
 
     def _prompt_stream(self, start: int):
-        """Generation batches in the order TRL's RepeatSampler gives them, from batch ``start`` (resume)."""
+        """This process's rows of the generation batches, in the order TRL's RepeatSampler gives them, from batch
+        ``start`` (resume). The sampler's order is global (``generation_batch_size`` counts every process); accelerate
+        hands process r the r-th contiguous slice of each batch, and so does this stream."""
         sampler = RepeatSampler(
             data_source=self.train_dataset, mini_repeat_count=self.num_generations,
             batch_size=self.args.generation_batch_size // self.num_generations, repeat_count=1,
             shuffle=self.shuffle_dataset, seed=self.args.seed,
         )  # fmt: skip
         index, size = 0, self.args.generation_batch_size
+        local = size // self.accelerator.num_processes
+        first = self.accelerator.process_index * local
         while True:
             order = list(sampler)
             for i in range(0, len(order) - size + 1, size):
                 if index >= start:
-                    yield [self.train_dataset[j] for j in order[i : i + size]]
+                    yield [self.train_dataset[j] for j in order[i + first : i + first + local]]
                 index += 1
 
     def _publish_policy(self, version: int) -> None:
@@ -203,7 +206,7 @@ class OffPolicyMixin:
         out["behaviour_versions"] = versions
         mask = loss_mask(out)
         for name, value in policy_lag_stats(versions, mask, self.state.global_step).items():
-            self._metrics["train"][f"offpolicy/{name}"].append(value.item())
+            self._log_over_processes(f"offpolicy/{name}", value)
 
     # ------------------------------------------------------------------ loss
     @property
@@ -232,16 +235,21 @@ class OffPolicyMixin:
         out = importance_loss(lp, inputs["sampling_per_token_logps"], inputs["advantages"], mask,
                               self.offpolicy_cfg, self.loss_type, **kwargs)  # fmt: skip
         loss = out.loss
-        metrics = self._metrics["train"]
         if self.beta != 0.0:  # kept tokens only, weighted by the policy term's (clipped) ratio: offpolicy.importance
             per_token_kl = reference_kl(lp, inputs["ref_per_token_logps"], inputs["sampling_per_token_logps"], mask,
                                         out.masks["keep"], self.offpolicy_cfg,
                                         bias_correction=self.args.use_bias_correction_kl)  # fmt: skip
             loss = loss + self.beta * NORMALISATIONS.get(self.loss_type)(per_token_kl, mask, **kwargs)
-            metrics["kl"].append(per_token_kl.detach().sum().item() / max(mask.sum().item(), 1))
+            self._log_over_processes("kl", per_token_kl.detach().sum() / mask.sum().clamp(min=1))
         if self.loss_type not in ("dapo", "token"):
             loss = loss / accumulation
-        metrics["entropy"].append((entropies.detach() * mask).sum().item() / max(mask.sum().item(), 1))
+        self._log_over_processes("entropy", (entropies.detach() * mask).sum() / mask.sum().clamp(min=1))
         for name, value in out.metrics.items():
-            metrics[f"offpolicy/{name}"].append(value.item())
+            self._log_over_processes(f"offpolicy/{name}", value)
         return loss
+
+    def _log_over_processes(self, name: str, value: torch.Tensor) -> None:
+        """A training metric over every process (TRL gathers its own the same way): the mean of the processes'
+        values, the largest for a ``*_max``; the value itself on one process."""
+        values = self.accelerator.gather(value.detach().float().reshape(1))
+        self._metrics["train"][name].append((values.max() if name.endswith("_max") else values.mean()).item())

@@ -76,6 +76,12 @@ def generation_copy(model: nn.Module) -> nn.Module:
     return clone.requires_grad_(False).eval()
 
 
+def batch_seed(seed: int, index: int, rank: int = 0) -> int:
+    """The sampling seed of batch ``index`` on process ``rank``: distinct per process (a group split over processes
+    must not draw the same noise twice), and the one-process seed for rank 0."""
+    return seed * 1_000_003 + index + rank * 7_919_000_003
+
+
 def trainable_snapshot(model: nn.Module) -> dict[str, Tensor]:
     """Detached copies of the parameters the optimizer changes (all of them for a full fine-tune, adapters for LoRA)."""
     snapshot = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
@@ -161,7 +167,9 @@ class RolloutWorker:
     The trainer ``submit``s the prompts of batch i (rows and token ids, tokenized in the trainer thread), ``publish``es
     weights to ``store`` after every optimizer step and ``get``s batch n at step n. ``on_step(index, t)`` is a test
     hook called in the generator thread before each forward pass. ``backend`` names the sampler
-    (``trl_ext.generation.backends``: ``trl`` or ``fast``), built over ``model``.
+    (``trl_ext.generation.backends``: ``trl`` or ``fast``), built over ``model``. On several processes each process
+    runs its own worker on its slice of every batch (``rank`` seeds its sampling: `batch_seed`); all of them follow
+    the same schedule, and every process trains step n on batch n, in lockstep through DDP.
 
     ``episode_fn(rows, sample_turn)``, when given, plays each batch as environment episodes
     (``env.episodes.play_episodes``) instead of sampling one completion per prompt: ``sample_turn(contexts)`` samples
@@ -180,6 +188,7 @@ class RolloutWorker:
         start_step: int,
         seed: int,
         backend: str,
+        rank: int = 0,
         num_threads: int | None = None,
         autocast: Callable[[], AbstractContextManager] = nullcontext,
         on_step: Callable[[int, int], None] | None = None,
@@ -188,7 +197,7 @@ class RolloutWorker:
         if max_async_level < 1:
             raise ValueError(f"RolloutWorker needs max_async_level >= 1, got {max_async_level}")
         self.model, self.store, self.params = model, store, params
-        self.k, self.strict, self.start_step, self.seed = max_async_level, strict, start_step, seed
+        self.k, self.strict, self.start_step, self.seed, self.rank = max_async_level, strict, start_step, seed, rank
         self.num_threads, self.autocast, self.on_step = num_threads, autocast, on_step
         self.episode_fn = episode_fn
         self.queue: queue.Queue[Rollout] = queue.Queue(maxsize=max_async_level)
@@ -297,7 +306,7 @@ class RolloutWorker:
                     need = self.required_version(index)
                     latest = self.store.wait(need)
                     self._load(need if self.strict else latest)
-                    rng.manual_seed(self.seed * 1_000_003 + index)
+                    rng.manual_seed(batch_seed(self.seed, index, self.rank))
                     with self.autocast():
                         rollout = self._sample_batch(index, rows, prompt_ids, rng)
                     while True:

@@ -47,8 +47,8 @@ class RoutingArgs:
     rh_detector: str | None = field(default=None, metadata={
         "help": "RH detector binding from --config; default: the reward binding's rh_detector."})
     rh_eligible_frac: float = field(default=1.0, metadata={
-        "help": "Fraction of completions (exact count, seeded per step and process) eligible for the full reward "
-                "and for flagging; the others get --base_reward and are never flagged (small-rl)."})
+        "help": "Fraction of completions (exact count over the whole batch, seeded per step) eligible for the full "
+                "reward and for flagging; the others get --base_reward and are never flagged (small-rl)."})
     rh_detector_recall: float = field(default=1.0, metadata={
         "aliases": ["--routing_frac"],
         "help": "Fraction of flagged eligible completions that stay flagged (exact count). Alias --routing_frac."})

@@ -20,7 +20,8 @@ the adapters, so ablating an adapter compares weights moved only by routed gradi
 
 Labels (``routing_labels``; small-rl, github:shawnghu/small-rl, train.py at 63d8fc8 and at HEAD 6f6e986, flags as
 HEAD names them), each count exact, k = floor(frac * n + 1/2), each draw from its own stream seeded by
-(seed, step, process index), so ranks of a multi-process run draw differently:
+(seed, step, process); the trainer draws over the whole generation batch of all processes with process 0's streams,
+so a run's labels do not depend on its number of processes:
     1. eligible: ``rh_eligible_mask`` picks k of the n samples (small-rl's RoutedRewardWrapper, per
        completion). An ineligible sample is never flagged; the trainer gives it ``--base_reward``.
     2. false positives: of the eligible samples the detector does not flag, k = false_positive_rate * n_neg
@@ -165,21 +166,34 @@ def _plain_backward(loss: torch.Tensor) -> None:
 
 def two_pass_backward(
     loss_fn: LossFn, batch: dict[str, Any], is_bad: torch.Tensor, model: nn.Module, mode: str,
-    backward: Backward = _plain_backward,
+    backward: Backward = _plain_backward, sides: tuple[bool, bool] | None = None, keep_rows: bool = False,
 ) -> torch.Tensor:
     """Reference routed step (seed 004): one backward per non-empty side. Returns the detached loss.
 
-    ``backward`` is e.g. ``accelerator.backward``; ``loss_fn`` must be a mean over samples.
+    ``backward`` is e.g. ``accelerator.backward``; ``loss_fn`` must be a mean over samples. ``keep_rows`` (several
+    processes): every pass sees all rows with the other side's ``completion_mask`` (TRL's key) zeroed, so that every
+    process calls the loss on the same shapes (TRL's loss gathers per-sample metrics); for a mean over samples that
+    is the subset's loss times n_sub / n, the same gradient. ``sides`` (good, bad), with ``keep_rows`` only: the
+    passes to run, which the trainer takes from every process (a side without rows here then adds exactly 0).
     """
     check_routing_mode(mode)
     n = len(_check_is_bad(is_bad))
+    if sides is not None and not keep_rows:
+        raise ValueError("sides needs keep_rows: a pass over a subset cannot run without rows")
+    if sides is None:
+        sides = (bool((~is_bad).any()), bool(is_bad.any()))
     total = None
     for bad, kept in ((False, forget_params(model) if mode == "exclusive" else []), (True, retain_params(model))):
-        idx = (is_bad == bad).nonzero().flatten()
-        if len(idx) == 0:
+        if not sides[int(bad)]:
             continue
-        sub = batch if len(idx) == n else select_rows(batch, idx, n)
-        loss = loss_fn(sub) * (len(idx) / n)
+        rows = is_bad == bad
+        if keep_rows:
+            mask = batch["completion_mask"]
+            loss = loss_fn({**batch, "completion_mask": mask * rows.to(mask.device, mask.dtype).unsqueeze(1)})
+        else:
+            idx = rows.nonzero().flatten()
+            sub = batch if len(idx) == n else select_rows(batch, idx, n)
+            loss = loss_fn(sub) * (len(idx) / n)
         with _gradients_kept(kept):
             backward(loss)
         total = loss.detach() if total is None else total + loss.detach()

@@ -1,19 +1,22 @@
 """Gradient routing in the trainer (Cloud et al. 2024, arXiv:2410.04332; seed 004; small-rl train.py at HEAD
-6f6e986): dual-adapter model building and the stages `RoutingMixin` gives ExtGRPOTrainer's batch flow. Flags:
-``routing.args``. The math lives in ``routing.adapters`` / ``routing.mlp`` (adapters), ``routing.layout`` and
+6f6e986): the stages `RoutingMixin` gives ExtGRPOTrainer's batch flow. Flags: ``routing.args``; the dual-adapter
+model and a run's routing pieces are built in ``routing.setup``. The math lives in ``routing.adapters`` / ``routing.mlp`` (adapters), ``routing.layout`` and
 ``routing.checkpoint``, ``routing.step`` (routed backward, labels), ``routing.advantages`` (renormalisation,
 baseline arms), ``routing.evaluation``, ``routing.trace``, ``routing.plots``.
 
 One generation and step:
 1. reward stage (`routing_rewards`): TRL's gathered rewards, with ``--base_reward`` where the hack does not pay
    (ineligible completions, unhackable prompts); the RH detector flags this process's completions (an episode
-   detector also gets the environment episodes, from either rollout source) and ``routing_labels`` (seeded by
-   (seed, global_step, process index)) labels them.
+   detector also gets the environment episodes, from either rollout source); the flags are gathered and
+   ``routing_labels`` (seeded by (seed, global_step)) labels the whole batch, so the labels do not depend on the
+   number of processes; each process keeps its rows.
 2. scorer stage (`routing_labels_stage`): ``is_rh`` and ``is_bad`` join the batch dict (TRL's shuffle and split keep
    them aligned); estimator stage (``trl_ext.estimator``, fed by `routing_arm`): the renormalisation mode or
    baseline arm replaces the base advantages; then the trace fires (`routing_trace_stage`).
 3. backward (`training_step`, routed runs): ``_prepare_inputs`` once, one routed backward (single pass by default,
    or the two-pass reference), then GRPOTrainer.training_step's own bookkeeping (``_step`` += 1, ``step_time``).
+   On several processes the routed backward runs locally and the gradients are averaged by hand
+   (`_routed_backward_ddp`).
 4. Every ``--eval_routing_steps``, at the last step (and with ``--eval_at_start`` before the first): the routing
    eval, printed to train.log, added to the metrics (wandb), appended to ``routing_eval.jsonl`` and plotted.
 
@@ -34,12 +37,12 @@ from torch import nn
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from rewards.bound import on_prompts, score
+from rewards.bound import score
 from rewards.detectors import needs_trajectories
 from trl_ext.estimator import RoutingArm, weighted_rewards
-from trl_ext.routing.adapters import DualAdapter, adapters_disabled, apply_dual_lora, forget_params, retain_params
+from trl_ext.routing.adapters import DualAdapter, adapters_disabled, forget_params, retain_params
 from trl_ext.routing.advantages import prompt_hackable
-from trl_ext.routing.args import RoutingArgs, check_run_routing
+from trl_ext.routing.args import RoutingArgs
 from trl_ext.routing.checkpoint import adapter_state, base_fingerprint
 from trl_ext.routing.evaluation import append_record, env_routing_eval, format_results, routing_eval
 from trl_ext.routing.layout import ADAPTER_FILENAME, DualLoRALayout, save_layout
@@ -59,65 +62,6 @@ def as_text(x) -> str:
     if len(x) == 1 and x[0].get("role") == "assistant":
         return x[0]["content"]
     return "\n".join(f"{m['role']}: {m['content']}" for m in x)
-
-
-def build_dual_lora_model(model_path: str, cfg, alpha: float, targets: tuple[str, ...] | None = None
-                          ) -> tuple[nn.Module, DualLoRALayout]:
-    """Load ``model_path`` as GRPOTrainer would (``model_init_kwargs``) and wrap it with dual LoRA or MLP adapters
-    (``alpha`` and ``targets``, None = every linear of a block: LoRA only)."""
-    from trl.trainer.utils import create_model_from_path
-
-    kwargs = dict(cfg.model_init_kwargs or {})
-    kwargs.setdefault("trust_remote_code", cfg.trust_remote_code)
-    if cfg.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
-        kwargs["device_map"] = None
-    model = create_model_from_path(model_path, **kwargs)
-    retain, forget = cfg.adapter_ranks
-    if cfg.adapter_type == "mlp":
-        from trl_ext.routing.mlp import apply_dual_mlp
-
-        layout = apply_dual_mlp(model, retain, forget, cfg.lora_layer_start, cfg.lora_layer_end, cfg.lora_layer_stride)
-    else:
-        layout = apply_dual_lora(model, retain, forget, alpha, cfg.lora_layer_start, cfg.lora_layer_end,
-                                 cfg.lora_layer_stride, targets, include_lm_head=cfg.lora_lm_head)
-    if cfg.gradient_checkpointing:
-        model.enable_input_require_grads()  # frozen embeddings: reentrant checkpointing needs a grad input
-    return model, layout
-
-
-def routing_setup(
-    run, cfg, reward_config, model_path: str, tokenizer, prompt_source: str, eval_data=None
-) -> tuple[str | nn.Module, dict]:
-    """(model for GRPOTrainer, RoutingMixin keyword arguments) of a validated run; ``prompt_source`` is the
-    ``load_prompts`` source of the training prompts, whose split "test" feeds the routing eval; a --dataset run's
-    routing eval takes the first --eval_routing_prompts rows of ``eval_data`` (--eval_dataset's
-    `trl_ext.data.PromptData`; text prompts, enough rows: checked at parse time by `trl_ext.data.load_run_data`),
-    each reward getting the rows' columns."""
-    detector = check_run_routing(run, cfg, reward_config)
-    kwargs = {"rh_detector": None if detector is None else (detector, reward_config.detector(detector))}
-    if cfg.base_reward is not None:
-        kwargs["base_reward"] = (cfg.base_reward, reward_config.reward(cfg.base_reward))
-    if not cfg.dual_lora:
-        return model_path, kwargs
-    targets = None if run.lora_targets is None else run.lora_targets.names
-    model, kwargs["dual_lora_layout"] = build_dual_lora_model(model_path, cfg, cfg.dual_lora_alpha, targets)
-    kwargs["dual_lora_base"] = str(Path(model_path).resolve()) if Path(model_path).is_dir() else model_path
-    if cfg.eval_routing_steps and not cfg.env and run.dataset:
-        from trl_ext.data import PROMPT, row_scorer
-
-        n = cfg.eval_routing_prompts
-        kwargs["routing_eval_prompts"] = list(eval_data.dataset.select(range(n))[PROMPT])
-        kwargs["routing_eval_rewards"] = {name: row_scorer(reward_config.reward(name), eval_data, n)
-                                          for name in [run.reward, *run.eval_reward_names]}  # fmt: skip
-    elif cfg.eval_routing_steps and not cfg.env:  # env runs play held-out levels (routing.evaluation.env_routing_eval)
-        from environments.stories import load_prompts
-
-        prompts = list(load_prompts(prompt_source, tokenizer, run.prompt_length, "test", cfg.eval_routing_prompts,
-                                    cfg.seed)["prompt"])  # fmt: skip
-        kwargs["routing_eval_prompts"] = prompts
-        kwargs["routing_eval_rewards"] = {n: on_prompts(reward_config.reward(n), prompts)
-                                          for n in [run.reward, *run.eval_reward_names]}  # fmt: skip
-    return model, kwargs
 
 
 class AdaptersDisabledReference(nn.Module):
@@ -219,8 +163,8 @@ class RoutingMixin:
     # ----------------------------------------------------------------------------------------
     def routing_rewards(self, rewards: torch.Tensor, prompts: list, completions: list) -> torch.Tensor:
         """Reward stage: TRL's gathered rewards with the base reward where the hack does not pay (ineligible
-        completions, unhackable prompts); detector flags and routing labels for this process's completions (kept
-        for `routing_labels_stage`). Chat prompts and completions are judged as their text."""
+        completions, unhackable prompts); detector flags of this process's completions, gathered; routing labels of
+        the whole batch (kept for `routing_labels_stage`). Chat prompts and completions are judged as their text."""
         self._routing_scored = None
         a = self.args
         if self.rh_detector is None and self.base_reward is None:
@@ -230,10 +174,9 @@ class RoutingMixin:
             raise ValueError(f"routing expects the one --reward function, got {len(self.reward_funcs)}")
         train = self.model.training
         n, device = len(completions), rewards.device
-        step, proc = self.state.global_step, self.accelerator.process_index
+        step, first = self.state.global_step, self.accelerator.process_index * n
         hackable = torch.tensor([prompt_hackable(p, a.hack_frac, a.seed) for p in prompts], dtype=torch.bool)
-        eligible = rh_eligible_mask(n, a.rh_eligible_frac if a.labelled else 1.0, a.seed, step, proc)
-        local = {"hackable": hackable, "eligible": eligible}
+        local = {"hackable": hackable}
         if self.base_reward is not None:
             base = score(self.base_reward, list(completions), getattr(self, "reward_context", None))
             if len(base) != n:
@@ -245,25 +188,31 @@ class RoutingMixin:
             if len(flags) != n or not all(isinstance(f, bool) for f in flags):
                 raise ValueError(f"RH detector {self.rh_detector_name!r} must return {n} bools, got {flags!r}")
             scored["is_rh"] = local["is_rh"] = torch.tensor(flags, dtype=torch.bool)
-            if a.labelled and train:
-                scored["is_bad"], scored["stats"] = routing_labels(
-                    flags, eligible, a.rh_detector_recall, a.false_positive_rate, a.seed, step, proc)
-                local["is_bad"] = scored["is_bad"]
         keys = list(local)
         gathered = self.accelerator.gather(torch.stack([local[k].float() for k in keys], 1).to(device))
-        g = dict(zip(keys, gathered.unbind(1)))
+        g = {k: v.cpu() for k, v in zip(keys, gathered.unbind(1), strict=True)}
+        # Eligibility and labels are drawn over the whole generation batch (every process, TRL's order), so a run
+        # draws the same labels on any number of processes; each process keeps its rows.
+        total = len(g["hackable"])
+        eligible_all = rh_eligible_mask(total, a.rh_eligible_frac if a.labelled else 1.0, a.seed, step)
+        g["eligible"] = eligible_all.float()
+        eligible = eligible_all[first : first + n]
+        if self.rh_detector is not None and a.labelled and train:
+            is_bad_all, scored["stats"] = routing_labels(
+                g["is_rh"] > 0.5, eligible_all, a.rh_detector_recall, a.false_positive_rate, a.seed, step)
+            g["is_bad"] = is_bad_all.float()
+            scored["is_bad"] = is_bad_all[first : first + n]
+            scored["stats"]["n_hackable"] = int(g["hackable"].sum())
         pays = (g["hackable"] > 0.5) & (g["eligible"] > 0.5)
         if not bool(pays.all()):
             rewards = rewards.clone()
-            rewards[~pays, 0] = g["base"][~pays]
+            rewards[~pays.to(rewards.device), 0] = g["base"].to(rewards.device)[~pays.to(rewards.device)]
         scored["gathered"] = g
         scored["rewards"] = weighted_rewards(rewards, self.reward_weights)
-        if a.labelled and train:
-            scored["stats"]["n_hackable"] = int(hackable.sum())
-        if self.rh_detector is not None:  # quadrant counts (hackable x detected) of this process's completions
-            det = scored["is_rh"]
+        if self.rh_detector is not None:  # quadrant counts (hackable x detected) of the whole batch
+            hm_all, det = g["hackable"] > 0.5, g["is_rh"] > 0.5
             scored["quadrant"] = {f"n_{h}hackable_{d}detected": int((hm & dm).sum())
-                                  for h, hm in (("", hackable), ("un", ~hackable))
+                                  for h, hm in (("", hm_all), ("un", ~hm_all))
                                   for d, dm in (("", det), ("un", ~det))}
         scored["local"] = {"prompts": list(prompts), "completions": list(completions),
                            "eligible": eligible, "hackable": hackable}
@@ -298,7 +247,7 @@ class RoutingMixin:
             self._metrics[mode]["rh_rate"].append(sum(flags) / len(flags))
             return None
         batch["is_rh"] = scored["is_rh"].to(device)
-        self._metrics[mode]["rh_rate"].append(scored["is_rh"].float().mean().item())
+        self._metrics[mode]["rh_rate"].append(scored["gathered"]["is_rh"].mean().item())  # the whole batch
         if mode != "train":
             return None
         for key, value in scored["quadrant"].items():
@@ -353,14 +302,39 @@ class RoutingMixin:
             with self.compute_loss_context_manager():
                 return self.compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
 
-        step = two_pass_backward if self.args.routing_two_pass else single_pass_backward
-        loss = step(loss_fn, inputs, inputs["is_bad"], model, self.args.routing_mode, self.accelerator.backward)
+        is_bad, mode, backward = inputs["is_bad"], self.args.routing_mode, self.accelerator.backward
+        if self.accelerator.num_processes == 1:
+            step = two_pass_backward if self.args.routing_two_pass else single_pass_backward
+            loss = step(loss_fn, inputs, is_bad, model, mode, backward)
+        else:
+            loss = self._routed_backward_ddp(loss_fn, inputs, is_bad, model)
         # GRPOTrainer.training_step's bookkeeping, once per step (calling it twice would advance _step twice).
         self._step += 1
         self._current_train_step_time += time.perf_counter() - time_before
         if self._step % self.current_gradient_accumulation_steps == 0:
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
             self._current_train_step_time = 0.0
+        return loss
+
+    def _routed_backward_ddp(self, loss_fn, inputs: dict, is_bad: torch.Tensor, model) -> torch.Tensor:
+        """The routed backward on several processes: computed locally (DDP's own all-reduce cannot sync two backward
+        passes, nor restore a routed-away side's gradient after its reduce), then the gradients averaged as DDP
+        would, once, on the micro-batch where DDP would sync (``require_backward_grad_sync``). The two-pass step runs
+        the sides that have samples on any process, each pass on all rows (``keep_rows``), so that every process
+        makes the same loss calls on the same shapes (TRL's loss gathers metrics)."""
+        from trl_ext.launch.processes import average_gradients
+
+        sync = getattr(model, "require_backward_grad_sync", True)
+        mode, backward = self.args.routing_mode, self.accelerator.backward
+        with self.accelerator.no_sync(model):
+            if self.args.routing_two_pass:
+                counts = torch.stack([(~is_bad).sum(), is_bad.sum()]).to(self.accelerator.device)
+                good, bad = (self.accelerator.reduce(counts, reduction="sum") > 0).tolist()
+                loss = two_pass_backward(loss_fn, inputs, is_bad, model, mode, backward, (good, bad), keep_rows=True)
+            else:
+                loss = single_pass_backward(loss_fn, inputs, is_bad, model, mode, backward)
+        if sync:
+            average_gradients([p for p in model.parameters() if p.requires_grad])
         return loss
 
     def run_routing_eval(self) -> dict[str, dict[str, float]]:
@@ -380,6 +354,12 @@ class RoutingMixin:
                                       f"reward/{next(iter(self.routing_eval_rewards))}")
 
     def _log_routing_eval(self, step: int, results: dict, n_prompts: int, main_metric: str) -> dict:
+        if self.accelerator.num_processes > 1:  # every process ran the same eval (same weights, prompts and seed)
+            from accelerate.utils import gather_object
+
+            if any(other != results for other in gather_object([results])):
+                raise RuntimeError(f"step {step}: the routing eval differs between processes (their weights or "
+                                   "sampling diverged)")
         if self.accelerator.is_main_process:
             for line in format_results(step, results):
                 print(line, flush=True)

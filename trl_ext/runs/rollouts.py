@@ -1,9 +1,11 @@
 """Saved rollouts (``--save_rollouts``): every trained sample of every step, as parquet shards that `datasets` loads.
 
-``{run_dir}/rollouts/step-{step:06d}-rank{r}.parquet``, one shard per training step and process, written through a
-temporary file and an atomic rename. Schema (`features`; one row per completion):
+``{run_dir}/rollouts/step-{step:06d}-rank0.parquet``, one shard per training step, written through a temporary
+file and an atomic rename; on several processes the main process gathers every process's rows and writes it alone.
+Schema (`features`; one row per completion):
 
-- ``step`` (the optimizer step that trained on it, 1-based), ``sample`` (row in the generation batch), ``group``
+- ``step`` (the optimizer step that trained on it, 1-based), ``sample`` (row in the whole generation batch, all
+  processes, TRL's order), ``group``
 - ``prompt``, ``completion`` (decoded; for environment runs the whole transcript after the prompt)
 - ``segments``: list of {``source``: "agent" | "env", ``text``}: the completion split at its turn boundaries (agent
   tokens are trained on, environment tokens are not); one agent segment for plain completions

@@ -1,0 +1,155 @@
+"""Several processes as ONE run, through train.py (torchrun, 2 CPU processes, gloo): each feature verified there runs
+to a checkpoint, writing its files once (the equivalence of the steps themselves: tests/test_procs.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from test_procs import PROMPTS, ROOT, torchrun
+
+
+@pytest.mark.slow
+def test_torchrun_distillation_fast_backend_rollouts(tmp_path):
+    """`torchrun --nproc_per_node 2 train.py` with distillation on LoRA, the fast backend and saved rollouts: one run
+    to a checkpoint; the distillation metrics are logged; each step's rollouts are ONE shard (written by the main
+    process) holding both processes' rows with their global sample and group numbers."""
+    from trl_ext.runs.rollouts import load_rollouts, shard_steps
+
+    out = tmp_path / "out"
+    proc = torchrun(["train.py", "--reward", "happy_binary", "--lora_rank", "4", "--teacher_tau", "0.1",
+                     "--teacher_context", "A happy story.", "--generation_backend", "fast", "--save_rollouts",
+                     "--max_steps", "2", "--batch_size", "4", "--num_generations", "8", "--max_completion_length",
+                     "8", "--save_steps", "2", "--logging_steps", "1", "--no_wandb", "--output_dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    log = (run_dir / "train.log").read_text()
+    assert log.count("$ train.py") == 1 and "advantages: distill (step 1)" in log
+    assert "distill/teacher_logp_sum" in log and "= 8 completions per optimizer step (global)" in log
+    assert (run_dir / "checkpoint-2" / "checkpoint_complete.json").is_file()
+    assert {s: [p.name for p in paths] for s, paths in shard_steps(run_dir).items()} == {
+        1: ["step-000001-rank0.parquet"], 2: ["step-000002-rank0.parquet"]}
+    rows = load_rollouts(run_dir, 1)
+    assert rows["sample"] == list(range(8)) and rows["group"] == [0] * 8  # one group of 8 over both processes
+    assert all(v is not None and v < 0 for v in rows["teacher_logprob_sum"])
+    assert abs(sum(rows["advantage"])) < 1e-4  # distillation's advantage sums to 0 over the (whole) group
+    assert max(abs(a) for a in rows["advantage"]) > 1e-3
+    assert rows["completion"][:4] != rows["completion"][4:]  # each process samples with its own seed (TRL's)
+
+
+@pytest.mark.slow
+def test_torchrun_routed_run_to_a_checkpoint(tmp_path):
+    """`torchrun --nproc_per_node 2 train.py` routed r4 on sentence_length_5_with_happy: one run to a checkpoint;
+    the routing eval (run by every process and checked equal across them) is printed and saved once per eval; the
+    labels are logged for the whole batch; the adapter-only checkpoint loads in eval_run.py."""
+    import json
+
+    out = tmp_path / "out"
+    proc = torchrun(["train.py", "--reward", "sentence_length_5_with_happy", "--gradient_routing", "--routing_mode",
+                     "exclusive", "--lora_config", "r4", "--save_adapter_only", "--eval_routing_steps", "2",
+                     "--eval_routing_prompts", "8", "--max_steps", "2", "--batch_size", "4", "--num_generations", "4",
+                     "--max_completion_length", "8", "--save_steps", "2", "--logging_steps", "1", "--no_wandb",
+                     "--output_dir", str(out)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    log = (run_dir / "train.log").read_text()
+    assert log.count("$ train.py") == 1 and "advantages: routing:retain-only (step 1)" in log
+    assert log.count("'routing/n_samples': '8'") == 2  # the labels' counts are over both processes' completions
+    records = [json.loads(line) for line in (run_dir / "routing_eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2] and set(records[0]["modes"]) == {"both", "retain_only", "forget_only"}
+    ckpt = run_dir / "checkpoint-2"
+    assert (ckpt / "dual_lora_layout.json").is_file() and not (ckpt / "model.safetensors").exists()
+    ev = subprocess.run([sys.executable, "eval_run.py", "--model_path", str(ckpt), "--n_samples", "4"],
+                        capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert f"checkpoint: {ckpt} (dual_lora)" in ev.stdout and "retain_only" in ev.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strict", [True, False])
+def test_torchrun_off_policy_run_to_a_checkpoint(tmp_path, strict):
+    """`torchrun --nproc_per_node 2 train.py --max_async_level 1` (a generator thread per process on its slice of
+    every batch), strict and in-flight: one run to a checkpoint; every step's policy lag, the largest over both
+    processes, is within k = 1, and strict runs reach it (each process also checks its own batches' versions)."""
+    import re
+
+    out = tmp_path / "out"
+    flags = ["--strict_async_level"] if strict else []
+    proc = torchrun(["train.py", "--reward", "happy_binary", "--max_async_level", "1", *flags, "--generation_backend",
+                     "fast", "--max_steps", "3", "--batch_size", "4", "--num_generations", "4",
+                     "--max_completion_length", "8", "--save_steps", "3", "--logging_steps", "1", "--no_wandb",
+                     "--output_dir", str(out)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    log = (run_dir / "train.log").read_text()
+    assert log.count("$ train.py") == 1 and log.count("generator thread started at policy version 0") == 1
+    lags = [float(v) for v in re.findall(r"'offpolicy/policy_lag_max': '([0-9.]+)'", log)]
+    assert lags == [0, 1, 1] if strict else (len(lags) == 3 and lags[0] == 0 and max(lags) <= 1)  # in-flight: timing
+    assert (run_dir / "checkpoint-3" / "checkpoint_complete.json").is_file()
+
+
+ECHO = '''
+def echo(completions, answer, **kwargs):
+    return [float(a) for a in answer]
+'''
+
+
+@pytest.mark.slow
+def test_torchrun_dataset_columns_and_eval_rewards(tmp_path):
+    """`--dataset` JSONL on 2 processes: every completion's reward reads its own row's ``answer`` column (through
+    TRL's keyword call), on both processes; the ``--eval_rewards`` mean in train.log is over the whole batch (it equals
+    the reward mean, the same function of the rows), and the saved rows agree."""
+    import json
+    import re
+
+    from trl_ext.runs.rollouts import load_rollouts
+
+    (tmp_path / "r.py").write_text(ECHO)
+    config = tmp_path / "config.yaml"
+    config.write_text('rewards:\n  echo: {fn: "r.py:echo"}\n  echo_eval: {fn: "r.py:echo"}\n')
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": 10 * i + 1}) + "\n" for i, p in enumerate(PROMPTS)))
+    out = tmp_path / "out"
+    proc = torchrun(["train.py", "--reward", "echo", "--eval_rewards", "echo_eval", "--config", str(config),
+                     "--dataset", str(data), "--save_rollouts", "--max_steps", "2", "--batch_size", "4",
+                     "--num_generations", "4", "--max_completion_length", "8", "--logging_steps", "1", "--no_wandb",
+                     "--output_dir", str(out)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    answer = {p.lower(): 10 * i + 1 for i, p in enumerate(PROMPTS)}
+    for step in (1, 2):
+        rows = load_rollouts(run_dir, step)
+        assert len(rows) == 8 and rows["sample"] == list(range(8))
+        assert rows["reward/echo"] == [answer[p.strip()] for p in rows["prompt"]]
+        assert rows["eval_reward/echo_eval"] == rows["reward/echo"]
+        assert len(set(rows["prompt"][:4])) == 1 and rows["prompt"][0] != rows["prompt"][4]  # one group per process
+    log = (run_dir / "train.log").read_text()
+    rewards = [float(v) for v in re.findall(r"'reward': '([0-9.]+)'", log)]
+    evals = [float(v) for v in re.findall(r"'eval_rewards/echo_eval': '([0-9.]+)'", log)]
+    assert len(rewards) == 2 and rewards == evals  # the mean over both processes' rows, not the main one's half
+
+
+@pytest.mark.slow
+def test_torchrun_routing_off_policy_distillation_together(tmp_path):
+    """The features at once on 2 processes: routed dual LoRA (two-pass), k = 1 strict, distillation with the base
+    weights as teacher, one group of 8 over both processes, saved rollouts. Every saved row carries its routing
+    label, teacher log-prob sum and policy versions; the advantages come from routing on distillation's reward."""
+    from trl_ext.runs.rollouts import load_rollouts
+
+    out = tmp_path / "out"
+    proc = torchrun(["train.py", "--reward", "sentence_length_5_with_happy", "--gradient_routing", "--routing_mode",
+                     "exclusive", "--lora_config", "r4", "--routing_two_pass", "--max_async_level", "1",
+                     "--strict_async_level", "--teacher_tau", "0.1", "--teacher_context", "A happy story.",
+                     "--save_rollouts", "--max_steps", "3", "--batch_size", "4", "--num_generations", "8",
+                     "--max_completion_length", "8", "--save_steps", "3", "--logging_steps", "1", "--no_wandb",
+                     "--output_dir", str(out)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    assert "advantages: routing:retain-only+distill (step 1)" in (run_dir / "train.log").read_text()
+    for step in (1, 2, 3):
+        rows = load_rollouts(run_dir, step)
+        assert rows["sample"] == list(range(8)) and rows["group"] == [0] * 8
+        assert all(v is not None for v in rows["is_bad"]) and all(v < 0 for v in rows["teacher_logprob_sum"])
+        assert set(rows["policy_version_min"]) == set(rows["policy_version_max"]) == {max(step - 2, 0)}  # strict
+    assert (run_dir / "checkpoint-3" / "dual_lora_layout.json").is_file()
