@@ -191,7 +191,8 @@ def test_per_environment_metrics():
     for t, name in zip(trajs, ["frozenlake", "frozenlake", "arithmetic", "arithmetic"], strict=True):
         t.env = name
     metrics = defaultdict(list)
-    trainer = SimpleNamespace(_metrics={"train": metrics}, model=SimpleNamespace(training=True))
+    trainer = SimpleNamespace(_metrics={"train": metrics}, model=SimpleNamespace(training=True),
+                              accelerator=SimpleNamespace(num_processes=1))
     log_episodes(trainer, trajs, *log_words(EnvArgs(env="frozenlake,arithmetic")))
     log_episodes(trainer, trajs[:2], *log_words(EnvArgs(env="frozenlake,arithmetic")))  # no arithmetic episode
     assert metrics["env/arithmetic/share"] == [0.5, 0.0] and len(metrics["env/arithmetic/return"]) == 1
@@ -207,7 +208,8 @@ def test_per_environment_metrics():
     assert metrics["env/invalid_frac"] == [2 / (sum(fl_turns) + 2)]
     assert not any(k.startswith(("env/first_action", "env/arithmetic/first_action")) for k in metrics)
     single = defaultdict(list)
-    log_episodes(SimpleNamespace(_metrics={"train": single}, model=SimpleNamespace(training=True)), trajs[:2],
+    log_episodes(SimpleNamespace(_metrics={"train": single}, model=SimpleNamespace(training=True),
+                                 accelerator=SimpleNamespace(num_processes=1)), trajs[:2],
                  *log_words(EnvArgs(env="frozenlake")))  # fmt: skip
     assert single["env/first_action/left"] == [1.0] and not any(k.startswith("env/frozenlake/") for k in single)
 

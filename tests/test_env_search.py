@@ -251,7 +251,8 @@ def test_first_action_metrics_count_verbs():
                    "<answer>search: leo</answer>"])  # fmt: skip
     trajs = [run_episode(env, lambda h: next(policy), seed=s, max_turns=1) for s in range(4)]
     metrics = defaultdict(list)
-    trainer = SimpleNamespace(_metrics={"train": metrics}, model=SimpleNamespace(training=True))
+    trainer = SimpleNamespace(_metrics={"train": metrics}, model=SimpleNamespace(training=True),
+                              accelerator=SimpleNamespace(num_processes=1))
     log_episodes(trainer, trajs, env.action_words)
     assert metrics["env/first_action/search"] == [0.5] and metrics["env/first_action/read"] == [0.0]
     assert metrics["env/first_action/answer"] == [0.25] and metrics["env/invalid_frac"] == [0.25]

@@ -1,7 +1,8 @@
 """The combination matrix (every extension on every task): {full, PEFT LoRA, routed dual LoRA} x {k = 0, k = 1 strict,
 k = 1 in-flight} x {story reward, single-turn env, multi-turn env} x {distillation off, on}. Every cell either runs 2
 steps on the builtin models and keeps its invariants, or is rejected at parse time (exit 2) with a stated reason.
-All 54 cells run in-process through train.py's ``main`` (about 2 minutes on 2 cores): ``uv run pytest tests/test_matrix.py``.
+All 54 cells run in-process through train.py's ``main`` (about 2 minutes on 2 cores): ``uv run pytest tests/test_matrix.py``;
+and all 54 again on 2 processes (``uv run torchrun --nproc_per_node 2 tests/test_matrix.py OUT_DIR``, about 90 s).
 """
 
 from __future__ import annotations
@@ -32,25 +33,24 @@ REJECTED: dict[tuple[str, str, str], str] = {
 CELLS = list(itertools.product(ADAPTERS, ASYNC, TASKS, DISTILL))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("adapter,k,task,distill", CELLS, ids=["-".join(c) for c in CELLS])
-def test_cell(builtin_path, tmp_path, capsys, adapter, k, task, distill):
+def cell_argv(adapter: str, k: str, task: str, distill: str, out) -> list[str]:
     argv = [*TASKS[task], *ADAPTERS[adapter], *ASYNC[k], *DISTILL[distill], "--batch_size", "8",
             "--num_generations", "4", "--max_steps", "2", "--logging_steps", "1", "--save_steps", "2", "--lr", "1e-4",
-            "--no_wandb", "--save_rollouts", "--output_dir", str(tmp_path)]  # fmt: skip
+            "--no_wandb", "--save_rollouts", "--output_dir", str(out)]  # fmt: skip
     if adapter == "routed" and task != "story":
         argv += ENV_DETECTOR
-    reason = REJECTED.get((adapter, k, task))
-    if reason is not None:
-        assert cli.main(argv) == 2 and reason in capsys.readouterr().err
-        return
-    assert cli.main(argv) == 0
-    (run_dir,) = tmp_path.iterdir()
+    return argv
+
+
+def check_cell(run_dir, adapter: str, k: str, task: str, distill: str, rows: int = 16) -> None:
+    """The invariants of a cell's finished run: both steps logged with finite losses, every trained sample saved with a
+    finite advantage, environment tokens kept out of training, versions within the lag (k = 1), routing labels
+    exactly for routed runs, teacher and student log-prob sums exactly with distillation."""
     ro = load_rollouts(run_dir)
     state = json.loads((run_dir / "checkpoint-2" / "trainer_state.json").read_text())
     logs = [r for r in state["log_history"] if "loss" in r]
     assert [r["step"] for r in logs] == [1, 2] and all(math.isfinite(r["loss"]) for r in logs)
-    assert len(ro) == 16 and all(math.isfinite(a) for a in ro["advantage"])
+    assert len(ro) == rows and all(math.isfinite(a) for a in ro["advantage"])
     if task == "env_multi":  # environment tokens are never trained on
         assert any(s["source"] == "env" for row in ro for s in row["segments"])
     if k != "k0":
@@ -62,3 +62,67 @@ def test_cell(builtin_path, tmp_path, capsys, adapter, k, task, distill):
     assert (None not in ro["is_bad"]) == (adapter == "routed")
     if distill == "on":
         assert None not in ro["teacher_logprob_sum"] and None not in ro["student_logprob_sum"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter,k,task,distill", CELLS, ids=["-".join(c) for c in CELLS])
+def test_cell(builtin_path, tmp_path, capsys, adapter, k, task, distill):
+    argv = cell_argv(adapter, k, task, distill, tmp_path)
+    reason = REJECTED.get((adapter, k, task))
+    if reason is not None:
+        assert cli.main(argv) == 2 and reason in capsys.readouterr().err
+        return
+    assert cli.main(argv) == 0
+    (run_dir,) = tmp_path.iterdir()
+    check_cell(run_dir, adapter, k, task, distill)
+
+
+@pytest.mark.slow
+def test_every_cell_on_two_processes(builtin_path, tmp_path):
+    """The whole matrix under `torchrun --nproc_per_node 2` (gloo): each cell one run of the global batch 16, its
+    checkpoint and its saved rollouts (both processes' rows) keeping the invariants (about 90 s on 2 cores)."""
+    import subprocess
+    from pathlib import Path
+
+    from trl_ext.launch.command import torchrun_command
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(torchrun_command([__file__, str(tmp_path)]), capture_output=True, text=True, timeout=900,
+                          cwd=root)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[matrix x2]")]
+    assert len(lines) == len(CELLS) and all(": ok (" in line for line in lines), lines
+
+
+def run_all_cells(out: Path) -> int:
+    """Every cell through train.py's ``main`` in this process, one after another (under ``torchrun --nproc_per_node
+    2``: on 2 processes, each a run of the global batch 16); the main process checks each finished run and prints
+    one line per cell. Returns the number of failed cells."""
+    import os
+    import time
+    import traceback
+
+    rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    failed = 0
+    for cell in CELLS:
+        start, cell_out = time.time(), out / "-".join(cell)
+        code = cli.main(cell_argv(*cell, cell_out))
+        status = f"exit {code}"
+        if code == 0 and rank == 0:
+            try:
+                (run_dir,) = cell_out.iterdir()
+                check_cell(run_dir, *cell, rows=16 * n)
+                status = "ok"
+            except AssertionError:
+                status = "invariant failed: " + traceback.format_exc().splitlines()[-2].strip()
+        failed += status != "ok" and rank == 0
+        if rank == 0:
+            print(f"[matrix x{n}] {'-'.join(cell)}: {status} ({time.time() - start:.1f} s)", flush=True)
+    return failed
+
+
+if __name__ == "__main__":  # uv run torchrun --nproc_per_node 2 tests/test_matrix.py OUT_DIR
+    import sys
+    from pathlib import Path
+
+    sys.exit(1 if run_all_cells(Path(sys.argv[1])) else 0)

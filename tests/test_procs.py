@@ -47,7 +47,6 @@ def _parse(argv: list[str]):
     ("eval_baseline", True, r"--eval_baseline: --eval_baseline \(each process would sample the baseline and write "
                             r"its json\)"),
     ("mode", "sft", r"--mode sft: SFT mode"),
-    ("env", "bandit", r"--env bandit: environments"),
     ("use_vllm", True, r"--use_vllm: vLLM generation"),
     ("eval_strategy", "steps", r"--eval_strategy steps: TRL's eval loop"),
 ])  # fmt: skip
@@ -66,8 +65,8 @@ def test_cfg_features_refused_on_two_processes(flag, value, message):
 def test_parsed_flag_refused_while_parsing(monkeypatch):
     """ExtGRPOConfig checks before TrainingArguments starts a process group (WORLD_SIZE alone: none could start)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"--env bandit: environments runs on one process for now"):
-        _parse(["--env", "bandit"])
+    with pytest.raises(ConfigError, match=r"--mode sft: SFT mode runs on one process for now"):
+        _parse(["--env", "bandit", "--mode", "sft"])
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -140,21 +139,28 @@ def tiny_llama(tmp_path_factory):
     return build_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_env(tmp_path_factory):
+    from trl_ext.models.tiny import build_tiny
+
+    return build_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama_env", tokenizer="builtin_env")
+
+
 @pytest.mark.slow
-def test_two_processes_equal_one_process(tiny_llama, tmp_path):
+def test_two_processes_equal_one_process(tiny_llama, tiny_llama_env, tmp_path):
     """One optimizer step, full fine-tune, LoRA, distillation (both paths, one group split over the processes), dual
-    LoRA, gradient routing (single- and two-pass, labels drawn at recall 0.5) and the off-policy IS loss with the
-    default masks (k = 1, a scripted generator per process): 2 processes x 4 completions == 1 process x 8, within
-    1e-5."""
+    LoRA, gradient routing (single- and two-pass, labels drawn at recall 0.5), the off-policy IS loss with the
+    default masks (k = 1, a scripted generator per process) and a multi-turn environment (frozenlake, 3 turns):
+    2 processes x 4 completions == 1 process x 8, within 1e-5."""
     import json
 
     import torch
 
     one, two = tmp_path / "one", tmp_path / "two"
-    single = subprocess.run([sys.executable, __file__, "equivalence", str(one), str(tiny_llama)],
+    single = subprocess.run([sys.executable, __file__, "equivalence", str(one), str(tiny_llama), str(tiny_llama_env)],
                             capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
     assert single.returncode == 0, single.stderr[-3000:]
-    double = torchrun([__file__, "equivalence", str(two), str(tiny_llama)])
+    double = torchrun([__file__, "equivalence", str(two), str(tiny_llama), str(tiny_llama_env)])
     assert double.returncode == 0, double.stderr[-3000:]
     for variant in [v[0] for v in VARIANTS(None)]:
         init, a, b = (torch.load(p / f"{variant}.pt") for p in (one / "init", one, two))
@@ -174,6 +180,9 @@ def test_two_processes_equal_one_process(tiny_llama, tmp_path):
     assert 0 < logs[0]["offpolicy/masked_frac"] < 1 and logs[0]["offpolicy/policy_lag_max"] == 0  # measured: 0.357
     for name in ("offpolicy/masked_frac", "offpolicy/ratio_max", "offpolicy/mismatch_kl", "entropy"):
         assert abs(logs[0][name] - logs[1][name]) < 1e-5, name  # logged over both processes
+    logs = [json.loads((d / "env_multiturn.json").read_text()) for d in (one, two)]  # measured: 0.25, 0.087, 2.875
+    assert 0 < logs[0]["env/success"] < 1 and 0 < logs[0]["env/invalid_frac"] < 1 and 2 < logs[0]["env/turns"] < 3
+    assert all(logs[0][k] == logs[1][k] for k in logs[0] if k.startswith("env/"))  # episodes of both processes
 
 
 @pytest.mark.slow
@@ -307,9 +316,9 @@ def test_refused_feature_exits_2_before_any_process_group(monkeypatch, capsys):
     from trl_ext.cli_train import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["--env", "bandit"]) == 2
+    assert main(["--env", "bandit", "--mode", "sft"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("train.py: error: --env bandit: environments runs on one process for now")
+    assert err.startswith("train.py: error: --mode sft: SFT mode runs on one process for now")
     assert not dist.is_initialized()
 
 
@@ -330,8 +339,8 @@ def _length_reward(completions, completion_ids, **kwargs):
 DISTILL = {"num_generations": GLOBAL_BATCH, "teacher_tau": 0.5, "student_tau": 0.1, "teacher_context": "A happy tale."}
 
 
-# Gradient routing (dual LoRA r4, exclusive, retain-only renormalisation) with recall 0.5: the labels are drawn over the whole
-# batch, so 1 and 2 processes label the same samples; both backward modes.
+# Gradient routing (dual LoRA r4, exclusive, retain-only renormalisation) with recall 0.5: the labels are drawn over
+# the whole batch, so 1 and 2 processes label the same samples; both backward modes.
 ROUTED = {"lora_config": "r4", "gradient_routing": True, "routing_mode": "exclusive", "rh_detector_recall": 0.5,
           "eval_routing_steps": 0}
 
@@ -346,7 +355,24 @@ def VARIANTS(lora):  # noqa: N802 (the table of run_equivalence: name, peft_conf
             ("dual_lora", None, {"lora_config": "r4", "eval_routing_steps": 0}, {}),
             ("routed_single", None, ROUTED, {"rh_detector": _odd_length}),
             ("routed_two_pass", None, {**ROUTED, "routing_two_pass": True}, {"rh_detector": _odd_length}),
-            ("offpolicy", None, {"max_async_level": 1}, {}))  # fmt: skip
+            ("offpolicy", None, {"max_async_level": 1}, {}),
+            ("env_multiturn", None, ENV, {}))  # fmt: skip
+
+
+# Multi-turn environment (frozenlake, 3 turns): the scripted agent's answer depends on the context and on how many
+# identical contexts came before it in the call (group members share their prompt, and their histories until they
+# differ), so 1 and 2 processes answer alike whatever episodes end early; the return differs within a group.
+ENV = {"env": "frozenlake", "max_turns": 3, "max_completion_length": 96}
+ENV_ANSWERS = ("<answer>left</answer>", "<answer>down</answer>", "<answer>zzz</answer>", "<answer>right</answer>")
+
+
+def _env_answers(contexts: list[list[int]], tok) -> list[list[int]]:
+    seen: dict[tuple, int] = {}
+    out = []
+    for c in contexts:
+        k = seen[tuple(c)] = seen.get(tuple(c), -1) + 1
+        out.append(tok(ENV_ANSWERS[(k + len(c)) % len(ENV_ANSWERS)], add_special_tokens=False)["input_ids"])
+    return out
 
 
 def _behaviour_logprob(t: int) -> float:
@@ -372,8 +398,9 @@ class ScriptedSampler:
                        [[version] * len(c) for c in ids])  # fmt: skip
 
 
-def run_equivalence(out: Path, model: str) -> None:
-    """One optimizer step of each `VARIANTS` entry on ``model``; the main process saves the trainable parameters
+def run_equivalence(out: Path, model: str, env_model: str) -> None:
+    """One optimizer step of each `VARIANTS` entry on ``model`` (``env_model``, with the environment tokenizer, for
+    the environment); the main process saves the trainable parameters
     (and, on one process, their initial values) to ``out``. Plain SGD, so that the step compares the gradients: Adam's
     first step is lr * g / (|g| + eps), which turns float rounding of a near-zero gradient into up to lr differences
     (measured: 9e-6 at lr 1e-3 for the full model)."""
@@ -389,6 +416,8 @@ def run_equivalence(out: Path, model: str) -> None:
     class ScriptedTrainer(ExtGRPOTrainer):
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
             tok = self.processing_class
+            if self.args.env:
+                return _env_answers(prompt_ids, tok), None
             avoid = {tok.eos_token_id, tok.pad_token_id}
             first = self.accelerator.process_index * len(prompt_ids)
             return [_scripted(list(p), first + i, len(tok), avoid) for i, p in enumerate(prompt_ids)], None
@@ -399,11 +428,19 @@ def run_equivalence(out: Path, model: str) -> None:
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     for variant, peft, extra, trainer_extra in VARIANTS(lora):
         cfg = ExtGRPOConfig(output_dir=str(out / variant), per_device_train_batch_size=GLOBAL_BATCH // n,
-                            max_steps=1, max_completion_length=8, learning_rate=LR, optim="sgd", report_to=[],
-                            save_strategy="no", logging_steps=1, seed=0, disable_dropout=True,
-                            **{"num_generations": GROUP, **extra})  # fmt: skip
-        trainer = ScriptedTrainer(model=model, reward_funcs=[_length_reward], args=cfg, peft_config=peft,
-                                  train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), **trainer_extra)
+                            max_steps=1, learning_rate=LR, optim="sgd", report_to=[], save_strategy="no",
+                            logging_steps=1, seed=0, disable_dropout=True,
+                            **{"num_generations": GROUP, "max_completion_length": 8, **extra})  # fmt: skip
+        data = {"model": model, "reward_funcs": [_length_reward],
+                "train_dataset": Dataset.from_dict({"prompt": PROMPTS * 4})}
+        if cfg.env:  # the environment's levels and return, on the tiny model with the environment tokenizer
+            from trl_ext.env.episodes import env_dataset, env_reward
+            from trl_ext.models import load_tokenizer, prepare_tokenizer
+
+            tok = prepare_tokenizer(load_tokenizer(env_model))
+            data = {"model": env_model, "reward_funcs": [env_reward], "processing_class": tok,
+                    "train_dataset": env_dataset(cfg.build_env(), 16, tok)}
+        trainer = ScriptedTrainer(args=cfg, peft_config=peft, **data, **trainer_extra)
         assert trainer.args.world_size == n and trainer.accelerator.num_processes == n
         if cfg.max_async_level:  # the generator thread samples with the scripted sampler
             import trl_ext.offpolicy.worker as worker
@@ -424,4 +461,4 @@ def run_equivalence(out: Path, model: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "equivalence":
-        run_equivalence(Path(sys.argv[2]), sys.argv[3])
+        run_equivalence(Path(sys.argv[2]), sys.argv[3], sys.argv[4])

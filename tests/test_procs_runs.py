@@ -66,29 +66,6 @@ def test_torchrun_routed_run_to_a_checkpoint(tmp_path):
     assert f"checkpoint: {ckpt} (dual_lora)" in ev.stdout and "retain_only" in ev.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strict", [True, False])
-def test_torchrun_off_policy_run_to_a_checkpoint(tmp_path, strict):
-    """`torchrun --nproc_per_node 2 train.py --max_async_level 1` (a generator thread per process on its slice of
-    every batch), strict and in-flight: one run to a checkpoint; every step's policy lag, the largest over both
-    processes, is within k = 1, and strict runs reach it (each process also checks its own batches' versions)."""
-    import re
-
-    out = tmp_path / "out"
-    flags = ["--strict_async_level"] if strict else []
-    proc = torchrun(["train.py", "--reward", "happy_binary", "--max_async_level", "1", *flags, "--generation_backend",
-                     "fast", "--max_steps", "3", "--batch_size", "4", "--num_generations", "4",
-                     "--max_completion_length", "8", "--save_steps", "3", "--logging_steps", "1", "--no_wandb",
-                     "--output_dir", str(out)])  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = out.iterdir()
-    log = (run_dir / "train.log").read_text()
-    assert log.count("$ train.py") == 1 and log.count("generator thread started at policy version 0") == 1
-    lags = [float(v) for v in re.findall(r"'offpolicy/policy_lag_max': '([0-9.]+)'", log)]
-    assert lags == [0, 1, 1] if strict else (len(lags) == 3 and lags[0] == 0 and max(lags) <= 1)  # in-flight: timing
-    assert (run_dir / "checkpoint-3" / "checkpoint_complete.json").is_file()
-
-
 ECHO = '''
 def echo(completions, answer, **kwargs):
     return [float(a) for a in answer]
@@ -153,3 +130,32 @@ def test_torchrun_routing_off_policy_distillation_together(tmp_path):
         assert all(v is not None for v in rows["is_bad"]) and all(v < 0 for v in rows["teacher_logprob_sum"])
         assert set(rows["policy_version_min"]) == set(rows["policy_version_max"]) == {max(step - 2, 0)}  # strict
     assert (run_dir / "checkpoint-3" / "dual_lora_layout.json").is_file()
+
+
+@pytest.mark.slow
+def test_torchrun_environment_mixture_off_policy(tmp_path):
+    """`--env frozenlake,arithmetic` (multi- and single-turn episodes in one batch) at k = 1 on 2 processes, each
+    process's generator thread playing its slice's episodes: one run to a checkpoint; every saved step holds both
+    processes' episodes with their environment and level, each group one environment; the episode metrics are
+    logged over both processes (the shares sum to 1)."""
+    import re
+
+    from trl_ext.runs.rollouts import load_rollouts
+
+    out = tmp_path / "out"
+    proc = torchrun(["train.py", "--env", "frozenlake,arithmetic", "--model", "builtin_env", "--max_async_level", "1",
+                     "--generation_backend", "fast", "--save_rollouts", "--max_steps", "2", "--batch_size", "4",
+                     "--num_generations", "4", "--max_completion_length", "48", "--save_steps", "2",
+                     "--logging_steps", "1", "--no_wandb", "--output_dir", str(out)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    for step in (1, 2):
+        rows = load_rollouts(run_dir, step)
+        assert rows["sample"] == list(range(8)) and set(rows["env"]) <= {"frozenlake", "arithmetic"}
+        for g in (0, 1):  # a group plays one level of one environment
+            assert len({(e, s) for e, s, k in zip(rows["env"], rows["env_seed"], rows["group"]) if k == g}) == 1
+    log = (run_dir / "train.log").read_text()
+    shares = [float(a) + float(b) for a, b in re.findall(
+        r"'env/frozenlake/share': '([0-9.]+)'.*?'env/arithmetic/share': '([0-9.]+)'", log)]
+    assert len(shares) == 2 and all(abs(x - 1) < 1e-6 for x in shares)
+    assert (run_dir / "checkpoint-2" / "checkpoint_complete.json").is_file()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from datasets import Dataset, concatenate_datasets
 
@@ -223,30 +224,53 @@ def log_words(args) -> tuple[tuple[str, ...] | None, dict[str, tuple[str, ...]] 
     return None, {name: args.build_env(name).action_words for name in names}
 
 
+@dataclass(frozen=True)
+class EpisodeSummary:
+    """What the episode metrics read of a trajectory (small enough to gather from every process)."""
+
+    env: str
+    success: bool
+    n_invalid: int
+    n_turns: int
+    total_reward: float
+    first_action: str
+
+    @classmethod
+    def of(cls, t: Trajectory) -> EpisodeSummary:
+        # an action with an argument (search's "read: title") counts under its verb, the step's info["action_kind"]
+        first = t.turns[0].info.get("action_kind", t.turns[0].info.get("action", "")) if t.turns else ""
+        return cls(t.env, bool(t.success), t.n_invalid, len(t.turns), float(t.total_reward), first)
+
+
 def log_episodes(trainer, trajs: list[Trajectory], words: tuple[str, ...] | None,
                  mixture: dict[str, tuple[str, ...]] | None = None) -> None:  # fmt: skip
     """Episode metrics: ``env/success``, ``env/invalid_frac``, ``env/turns`` over the batch and, with the action
     ``words`` of one environment, ``env/first_action/<word>``. A ``mixture`` ({name: action words}) adds per
     environment ``env/<name>/share`` (its fraction of the batch's episodes, 0 when absent) and, when the batch has
     episodes of it, ``env/<name>/{return,success,invalid_frac,turns,first_action/<word>}`` (a step without it logs
-    none of these, so TRL's mean over a logging window averages the steps that had it)."""
+    none of these, so TRL's mean over a logging window averages the steps that had it). On several processes the
+    batch is every process's episodes (gathered)."""
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
-    _episode_metrics(metrics, "env", trajs, words)
+    episodes = [EpisodeSummary.of(t) for t in trajs]
+    if trainer.accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        episodes = gather_object(episodes)
+    _episode_metrics(metrics, "env", episodes, words)
     for name, env_words in (mixture or {}).items():
-        mine = [t for t in trajs if t.env == name]
-        metrics[f"env/{name}/share"].append(len(mine) / len(trajs))  # every step: the shares sum to 1
+        mine = [e for e in episodes if e.env == name]
+        metrics[f"env/{name}/share"].append(len(mine) / len(episodes))  # every step: the shares sum to 1
         if mine:
-            metrics[f"env/{name}/return"].append(sum(t.total_reward for t in mine) / len(mine))
+            metrics[f"env/{name}/return"].append(sum(e.total_reward for e in mine) / len(mine))
             _episode_metrics(metrics, f"env/{name}", mine, env_words)
 
 
-def _episode_metrics(metrics, prefix: str, trajs: list[Trajectory], words: tuple[str, ...] | None) -> None:
-    n = len(trajs)
-    metrics[f"{prefix}/success"].append(sum(t.success for t in trajs) / n)
-    metrics[f"{prefix}/invalid_frac"].append(sum(t.n_invalid for t in trajs) / sum(len(t.turns) for t in trajs))
-    metrics[f"{prefix}/turns"].append(sum(len(t.turns) for t in trajs) / n)
+def _episode_metrics(metrics, prefix: str, episodes: list[EpisodeSummary], words: tuple[str, ...] | None) -> None:
+    n = len(episodes)
+    metrics[f"{prefix}/success"].append(sum(e.success for e in episodes) / n)
+    metrics[f"{prefix}/invalid_frac"].append(sum(e.n_invalid for e in episodes) / sum(e.n_turns for e in episodes))
+    metrics[f"{prefix}/turns"].append(sum(e.n_turns for e in episodes) / n)
     if words is not None and all(len(w) > 1 for w in words):  # action words (not arithmetic's characters)
-        # an action with an argument (search's "read: title") counts under its verb, the step's info["action_kind"]
-        first = [t.turns[0].info.get("action_kind", t.turns[0].info["action"]) for t in trajs]
+        first = [e.first_action for e in episodes]
         for w in words:
             metrics[f"{prefix}/first_action/{w}"].append(first.count(w) / n)

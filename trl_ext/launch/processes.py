@@ -57,10 +57,9 @@ def check_single_process(cli: str, environ: Mapping[str, str] | None = None) -> 
 # ------------------------------------------------------------------------------------------ what runs on N processes
 def _feature_groups() -> dict[type, str]:
     """Flag dataclasses whose every field must keep its default on several processes -> the feature's name."""
-    from trl_ext.env.args import EnvArgs
     from trl_ext.sft import SFTArgs
 
-    return {EnvArgs: "environments", SFTArgs: "SFT mode"}  # fmt: skip
+    return {SFTArgs: "SFT mode"}
 
 
 # Single flags (ExtGRPOConfig / TrainingArguments): (field, value allowed on several processes, feature).
@@ -97,19 +96,25 @@ def check_run_processes(run, environ: Mapping[str, str] | None = None) -> None:
             raise _refusal(flag, getattr(run, flag), feature, n, var)
 
 
-def unverified_feature(cfg) -> tuple[str, object, str] | None:
-    """(flag, value, feature) of the first ExtGRPOConfig feature not yet verified beyond one plain process (any
-    environment or SFT flag away from its default, and `CFG_FLAGS`); None."""
-    for group, feature in _feature_groups().items():
+def changed_flag(cfg, groups: dict[type, str], flags) -> tuple[str, object, str] | None:
+    """(flag, value, feature) of the first field of the ``groups`` dataclasses (-> feature name) away from its default,
+    else of the first ``flags`` entry (field, allowed value, feature) away from its allowed value; None."""
+    for group, feature in groups.items():
         for f in dataclasses.fields(group):
             if not f.init or f.default is dataclasses.MISSING:
                 continue
             if getattr(cfg, f.name) != f.default:
                 return f.name, getattr(cfg, f.name), feature
-    for flag, allowed, feature in CFG_FLAGS:
+    for flag, allowed, feature in flags:
         if _plain(getattr(cfg, flag)) != allowed:
             return flag, _plain(getattr(cfg, flag)), feature
     return None
+
+
+def unverified_feature(cfg) -> tuple[str, object, str] | None:
+    """(flag, value, feature) of the first ExtGRPOConfig feature not yet verified beyond one plain process (any
+    SFT-mode flag away from its default, and `CFG_FLAGS`); None."""
+    return changed_flag(cfg, _feature_groups(), CFG_FLAGS)
 
 
 def check_cfg_processes(cfg, environ: Mapping[str, str] | None = None) -> None:

@@ -32,14 +32,29 @@ def sharded_training(cfg, environ: Mapping[str, str] | None = None) -> str | Non
     return None
 
 
+def _feature_groups() -> dict[type, str]:
+    """Flag dataclasses whose every field must keep its default under sharding -> the feature's name."""
+    from trl_ext.distill.args import DistillArgs
+    from trl_ext.env.args import EnvArgs
+    from trl_ext.offpolicy.args import OffPolicyArgs
+    from trl_ext.routing.args import RoutingArgs
+    from trl_ext.sft import SFTArgs
+
+    return {RoutingArgs: "gradient routing / dual LoRA", DistillArgs: "distillation",
+            OffPolicyArgs: "off-policy training", EnvArgs: "environments", SFTArgs: "SFT mode"}  # fmt: skip
+
+
 def check_cfg_sharding(cfg, environ: Mapping[str, str] | None = None) -> None:
-    """ConfigError for a feature not verified under the run's FSDP / DeepSpeed (see the module docstring)."""
-    from trl_ext.launch.processes import unverified_feature
+    """ConfigError for a feature not verified under the run's FSDP / DeepSpeed (see the module docstring): every
+    feature subpackage's flags, the fast backend, saved rollouts, and what several processes refuse."""
+    from trl_ext.launch.processes import CFG_FLAGS, changed_flag
 
     kind = sharded_training(cfg, environ)
     if kind is None:
         return
-    found = unverified_feature(cfg)
+    flags = (("generation_backend", "trl", "the fast generation backend"), ("save_rollouts", False, "saved rollouts"),
+             *CFG_FLAGS)  # fmt: skip
+    found = changed_flag(cfg, _feature_groups(), flags)
     if found is not None:
         flag, value, feature = found
         shown = f"--{flag}" if isinstance(value, bool) else f"--{flag} {value}"
