@@ -44,15 +44,13 @@ def _parse(argv: list[str]):
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("eval_baseline", True, r"--eval_baseline: --eval_baseline \(each process would sample the baseline and write "
-                            r"its json\)"),
-    ("mode", "sft", r"--mode sft: SFT mode"),
     ("use_vllm", True, r"--use_vllm: vLLM generation"),
-    ("eval_strategy", "steps", r"--eval_strategy steps: TRL's eval loop"),
+    ("use_transformers_continuous_batching", True,
+     r"--use_transformers_continuous_batching: continuous-batching generation"),
 ])  # fmt: skip
 def test_cfg_features_refused_on_two_processes(flag, value, message):
-    """Any routing / distillation / off-policy / environment / SFT flag away from its default, and the listed
-    flags, name themselves and the feature (checked on the parsed values, before devices are set up)."""
+    """The flags not yet verified on several processes name themselves and the feature (checked on the parsed
+    values, before devices are set up)."""
     _, cfg = _parse(["--reward", "happy_binary"])
     check_cfg_processes(cfg, TWO)  # the default story run is allowed
     setattr(cfg, flag, value)
@@ -65,12 +63,11 @@ def test_cfg_features_refused_on_two_processes(flag, value, message):
 def test_parsed_flag_refused_while_parsing(monkeypatch):
     """ExtGRPOConfig checks before TrainingArguments starts a process group (WORLD_SIZE alone: none could start)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"--mode sft: SFT mode runs on one process for now"):
-        _parse(["--env", "bandit", "--mode", "sft"])
+    with pytest.raises(ConfigError, match=r"--use_vllm: vLLM generation runs on one process for now"):
+        _parse(["--reward", "happy_binary", "--use_vllm"])
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"eval_dataset": "x.jsonl"}, r"--eval_dataset x.jsonl: --eval_dataset prompts"),
     ({"rebuild_builtin": True}, r"--rebuild_builtin: rebuilding the builtin model"),
 ])  # fmt: skip
 def test_run_features_refused_on_two_processes(kwargs, message, monkeypatch):
@@ -85,12 +82,13 @@ def test_run_features_refused_on_two_processes(kwargs, message, monkeypatch):
 
 
 def test_allowed_runs_pass_and_get_gloo():
-    """Story rewards, k = 0, full and LoRA, either generation backend, distillation, saved rollouts: allowed; on CPU
-    they get use_cpu + gloo, which is what makes accelerate's PartialState choose MULTI_CPU (parallel_mode DISTRIBUTED)
-    instead of an unused group."""
+    """The project's features: allowed; on CPU they get use_cpu + gloo, which is what makes accelerate's PartialState
+    choose MULTI_CPU (parallel_mode DISTRIBUTED) instead of an unused group."""
     for extra in ([], ["--lora_rank", "4"], ["--generation_backend", "trl", "--beta", "0"],
                   ["--generation_backend", "fast", "--save_rollouts"],
-                  ["--lora_rank", "4", "--teacher_tau", "0.1", "--teacher_context", "x", "--kl_only_incorrect"]):
+                  ["--lora_rank", "4", "--teacher_tau", "0.1", "--teacher_context", "x", "--kl_only_incorrect"],
+                  ["--gradient_routing", "--routing_mode", "shared", "--lora_config", "r4"],
+                  ["--max_async_level", "1", "--strict_async_level"], ["--eval_strategy", "steps"]):
         run, cfg = _parse(["--reward", "happy_binary", *extra])
         check_run_processes(run, TWO)
         check_cfg_processes(cfg, TWO)
@@ -316,9 +314,9 @@ def test_refused_feature_exits_2_before_any_process_group(monkeypatch, capsys):
     from trl_ext.cli_train import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["--env", "bandit", "--mode", "sft"]) == 2
+    assert main(["--reward", "happy_binary", "--use_vllm"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("train.py: error: --mode sft: SFT mode runs on one process for now")
+    assert err.startswith("train.py: error: --use_vllm: vLLM generation runs on one process for now")
     assert not dist.is_initialized()
 
 

@@ -12,14 +12,16 @@ from test_procs import PROMPTS, ROOT, torchrun
 
 @pytest.mark.slow
 def test_torchrun_distillation_fast_backend_rollouts(tmp_path):
-    """`torchrun --nproc_per_node 2 train.py` with distillation on LoRA, the fast backend and saved rollouts: one run
-    to a checkpoint; the distillation metrics are logged; each step's rollouts are ONE shard (written by the main
-    process) holding both processes' rows with their global sample and group numbers."""
+    """`torchrun --nproc_per_node 2 train.py` with distillation on LoRA (and its --eval_baseline, sampled by the main
+    process), the fast backend and saved rollouts: one run to a checkpoint; the distillation metrics are logged; each
+    step's rollouts are ONE shard (written by the main process) holding both processes' rows with their global sample
+    and group numbers."""
     from trl_ext.runs.rollouts import load_rollouts, shard_steps
 
     out = tmp_path / "out"
     proc = torchrun(["train.py", "--reward", "happy_binary", "--lora_rank", "4", "--teacher_tau", "0.1",
-                     "--teacher_context", "A happy story.", "--generation_backend", "fast", "--save_rollouts",
+                     "--teacher_context", "A happy story.", "--eval_baseline", "--eval_baseline_prompts", "8",
+                     "--generation_backend", "fast", "--save_rollouts",
                      "--max_steps", "2", "--batch_size", "4", "--num_generations", "8", "--max_completion_length",
                      "8", "--save_steps", "2", "--logging_steps", "1", "--no_wandb", "--output_dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -27,6 +29,7 @@ def test_torchrun_distillation_fast_backend_rollouts(tmp_path):
     log = (run_dir / "train.log").read_text()
     assert log.count("$ train.py") == 1 and "advantages: distill (step 1)" in log
     assert "distill/teacher_logp_sum" in log and "= 8 completions per optimizer step (global)" in log
+    assert log.count("eval_baseline student:") == 1 and (run_dir / "eval_baseline.json").is_file()  # main only
     assert (run_dir / "checkpoint-2" / "checkpoint_complete.json").is_file()
     assert {s: [p.name for p in paths] for s, paths in shard_steps(run_dir).items()} == {
         1: ["step-000001-rank0.parquet"], 2: ["step-000002-rank0.parquet"]}
@@ -76,7 +79,8 @@ def echo(completions, answer, **kwargs):
 def test_torchrun_dataset_columns_and_eval_rewards(tmp_path):
     """`--dataset` JSONL on 2 processes: every completion's reward reads its own row's ``answer`` column (through
     TRL's keyword call), on both processes; the ``--eval_rewards`` mean in train.log is over the whole batch (it equals
-    the reward mean, the same function of the rows), and the saved rows agree."""
+    the reward mean, the same function of the rows), and the saved rows agree. TRL's eval loop on ``--eval_dataset``
+    (8 rows, answers 100..107) logs the mean over all of them, 103.5 (either process's half alone: 101.5 or 105.5)."""
     import json
     import re
 
@@ -87,11 +91,14 @@ def test_torchrun_dataset_columns_and_eval_rewards(tmp_path):
     config.write_text('rewards:\n  echo: {fn: "r.py:echo"}\n  echo_eval: {fn: "r.py:echo"}\n')
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "answer": 10 * i + 1}) + "\n" for i, p in enumerate(PROMPTS)))
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": p, "answer": 100 + i}) + "\n" for i, p in enumerate(PROMPTS * 2)))
     out = tmp_path / "out"
     proc = torchrun(["train.py", "--reward", "echo", "--eval_rewards", "echo_eval", "--config", str(config),
-                     "--dataset", str(data), "--save_rollouts", "--max_steps", "2", "--batch_size", "4",
-                     "--num_generations", "4", "--max_completion_length", "8", "--logging_steps", "1", "--no_wandb",
-                     "--output_dir", str(out)])  # fmt: skip
+                     "--dataset", str(data), "--eval_dataset", str(held_out), "--eval_strategy", "steps",
+                     "--eval_steps", "2", "--per_device_eval_batch_size", "4", "--save_rollouts", "--max_steps", "2",
+                     "--batch_size", "4", "--num_generations", "4", "--max_completion_length", "8", "--logging_steps",
+                     "1", "--no_wandb", "--output_dir", str(out)])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = out.iterdir()
     answer = {p.lower(): 10 * i + 1 for i, p in enumerate(PROMPTS)}
@@ -105,6 +112,7 @@ def test_torchrun_dataset_columns_and_eval_rewards(tmp_path):
     rewards = [float(v) for v in re.findall(r"'reward': '([0-9.]+)'", log)]
     evals = [float(v) for v in re.findall(r"'eval_rewards/echo_eval': '([0-9.]+)'", log)]
     assert len(rewards) == 2 and rewards == evals  # the mean over both processes' rows, not the main one's half
+    assert [float(v) for v in re.findall(r"'eval_reward': '([0-9.]+)'", log)] == [103.5]
 
 
 @pytest.mark.slow
@@ -159,3 +167,24 @@ def test_torchrun_environment_mixture_off_policy(tmp_path):
         r"'env/frozenlake/share': '([0-9.]+)'.*?'env/arithmetic/share': '([0-9.]+)'", log)]
     assert len(shares) == 2 and all(abs(x - 1) < 1e-6 for x in shares)
     assert (run_dir / "checkpoint-2" / "checkpoint_complete.json").is_file()
+
+
+@pytest.mark.slow
+def test_torchrun_sft_mode(tmp_path):
+    """`--mode sft` on 2 processes: TRL's SFTTrainer under DDP, one run; 64 records at 8 per process make 4 steps
+    per epoch (the global batch is 16); the main process alone validates, saves the merged model and the summary."""
+    import json
+
+    out = tmp_path / "out"
+    proc = torchrun(["train.py", "--mode", "sft", "--env", "arithmetic", "--model", "builtin_env", "--sft_train_size",
+                     "64", "--sft_test_size", "8", "--sft_epochs", "1", "--batch_size", "8", "--save_steps", "4",
+                     "--logging_steps", "1", "--no_wandb", "--output_dir", str(out)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    log = (run_dir / "train.log").read_text()
+    assert log.count("$ train.py") == 1 and log.count("validation before SFT") == 1
+    assert "batch: 8 completions per process x 2 processes = 16" in log and run_dir.name.endswith("_procs2")
+    state = json.loads((run_dir / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == state["max_steps"] == 4
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    assert summary["status"] == "done" and summary["records"] == 64 and (run_dir / "model" / "config.json").is_file()

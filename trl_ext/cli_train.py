@@ -265,10 +265,12 @@ def run_training(plan: Plan) -> int:
         eval_reward_funcs={name: rc.reward(name) for name in run.eval_reward_names},
         **routing_kwargs,
     )
-    if cfg.eval_baseline:
+    if cfg.eval_baseline:  # the main process samples it; the others wait
         from trl_ext.distill.baseline import run_eval_baseline
 
-        run_eval_baseline(trainer, run, rc, prompt_source(run))
+        if main_process:
+            run_eval_baseline(trainer, run, rc, prompt_source(run))
+        barrier()
     with preemption_handler() as flag:  # SIGTERM: a checkpoint at the next step boundary, then exit 0
         preemption = PreemptionCallback(flag, trainer.accelerator)
         trainer.add_callback(preemption)

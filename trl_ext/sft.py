@@ -120,6 +120,7 @@ def run_sft(plan) -> int:
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
+    from trl_ext.launch.processes import barrier, describe_launch, is_main, launch_record
     from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
     from trl_ext.runlog import write_run_config
     from trl_ext.runs.mixin import CheckpointMixin
@@ -130,8 +131,11 @@ def run_sft(plan) -> int:
         """TRL's SFTTrainer with atomic checkpoints and loud numeric faults (`trl_ext.runs.mixin`)."""
 
     run, cfg = plan.run, plan.cfg
-    tee = open_run_dir(plan)
-    write_run_config(plan.run_dir / "run_config.yaml", run, cfg)
+    main_process = is_main()  # only the main process writes the run directory, validates and saves the model
+    tee = open_run_dir(plan) if main_process else None
+    if main_process:
+        print(describe_launch(cfg), flush=True)
+        write_run_config(plan.run_dir / "run_config.yaml", run, cfg, extra=launch_record())
     model_path = model_source(run.model)
     tokenizer = prepare_tokenizer(load_tokenizer(model_path))
     model = AutoModelForCausalLM.from_pretrained(model_path)
@@ -139,8 +143,10 @@ def run_sft(plan) -> int:
     records = sft_records(cfg.env, cfg.sft_train_size, TRAIN_LEVELS, uses_chat(tokenizer), env_params)
     print(f"sft: {len(records)} records from {cfg.sft_train_size} solved levels", flush=True)
     val_args = (cfg.env, cfg.sft_test_size, cfg.turns, cfg.max_completion_length)
-    before = validate(model, tokenizer, *val_args, env_params=env_params)
-    print(f"validation before SFT: {before}", flush=True)
+    if main_process:
+        before = validate(model, tokenizer, *val_args, env_params=env_params)
+        print(f"validation before SFT: {before}", flush=True)
+    barrier()  # the run directory exists (and the validation ran) before any process trains
     peft_config = None
     if run.lora_rank:
         from peft import LoraConfig
@@ -153,6 +159,7 @@ def run_sft(plan) -> int:
         save_strategy="steps", save_steps=cfg.save_steps, report_to=[] if run.no_wandb else ["wandb"], seed=cfg.seed, bf16=cfg.bf16,
         max_length=None, lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps,
         activation_checkpointing=cfg.activation_checkpointing,
+        use_cpu=cfg.use_cpu, ddp_backend=cfg.ddp_backend,  # several processes on CPU: gloo (launch.processes)
     )  # fmt: skip
     trainer = CheckpointedSFTTrainer(model=model, args=sft_cfg, train_dataset=Dataset.from_list(records),
                          processing_class=tokenizer, peft_config=peft_config)  # fmt: skip
@@ -162,6 +169,8 @@ def run_sft(plan) -> int:
         trainer.add_callback(preemption)
         result = trainer.train(resume_from_checkpoint=str(plan.resume) if plan.resume else None)
     steps = trainer.state.global_step
+    if not main_process:
+        return 0
     if preemption.stopped_at is not None and steps < trainer.state.max_steps:
         summary = {"mode": "sft", "run_name": cfg.run_name, **preemption.summary(plan.run_dir, steps),
                    "wall_s": round(time.time() - start, 1)}  # fmt: skip

@@ -55,23 +55,13 @@ def check_single_process(cli: str, environ: Mapping[str, str] | None = None) -> 
 
 
 # ------------------------------------------------------------------------------------------ what runs on N processes
-def _feature_groups() -> dict[type, str]:
-    """Flag dataclasses whose every field must keep its default on several processes -> the feature's name."""
-    from trl_ext.sft import SFTArgs
-
-    return {SFTArgs: "SFT mode"}
-
-
 # Single flags (ExtGRPOConfig / TrainingArguments): (field, value allowed on several processes, feature).
 CFG_FLAGS = (
     ("use_vllm", False, "vLLM generation"),
     ("use_transformers_continuous_batching", False, "continuous-batching generation"),
-    ("eval_strategy", "no", "TRL's eval loop"),
-    ("eval_baseline", False, "--eval_baseline (each process would sample the baseline and write its json)"),
 )
 # RunArgs flags: (field, value allowed, feature).
 RUN_FLAGS = (
-    ("eval_dataset", None, "--eval_dataset prompts"),
     ("rebuild_builtin", False, "rebuilding the builtin model (every process would rebuild it)"),
 )
 
@@ -112,9 +102,9 @@ def changed_flag(cfg, groups: dict[type, str], flags) -> tuple[str, object, str]
 
 
 def unverified_feature(cfg) -> tuple[str, object, str] | None:
-    """(flag, value, feature) of the first ExtGRPOConfig feature not yet verified beyond one plain process (any
-    SFT-mode flag away from its default, and `CFG_FLAGS`); None."""
-    return changed_flag(cfg, _feature_groups(), CFG_FLAGS)
+    """(flag, value, feature) of the first ExtGRPOConfig flag not yet verified on several processes (`CFG_FLAGS`);
+    None."""
+    return changed_flag(cfg, {}, CFG_FLAGS)
 
 
 def check_cfg_processes(cfg, environ: Mapping[str, str] | None = None) -> None:

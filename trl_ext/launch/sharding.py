@@ -53,7 +53,7 @@ def check_cfg_sharding(cfg, environ: Mapping[str, str] | None = None) -> None:
     if kind is None:
         return
     flags = (("generation_backend", "trl", "the fast generation backend"), ("save_rollouts", False, "saved rollouts"),
-             *CFG_FLAGS)  # fmt: skip
+             ("eval_strategy", "no", "TRL's eval loop"), *CFG_FLAGS)  # fmt: skip
     found = changed_flag(cfg, _feature_groups(), flags)
     if found is not None:
         flag, value, feature = found
