@@ -1,8 +1,9 @@
 """Gradient routing in the trainer (Cloud et al. 2024, arXiv:2410.04332; seed 004; small-rl train.py at HEAD
 6f6e986): the stages `RoutingMixin` gives ExtGRPOTrainer's batch flow. Flags: ``routing.args``; the dual-adapter
-model and a run's routing pieces are built in ``routing.setup``. The math lives in ``routing.adapters`` / ``routing.mlp`` (adapters), ``routing.layout`` and
-``routing.checkpoint``, ``routing.step`` (routed backward, labels), ``routing.advantages`` (renormalisation,
-baseline arms), ``routing.evaluation``, ``routing.trace``, ``routing.plots``.
+model and a run's routing pieces are built in ``routing.setup``. The math lives in ``routing.adapters`` /
+``routing.mlp`` (adapters), ``routing.layout`` and ``routing.checkpoint``, ``routing.step`` (routed backward, labels),
+``routing.advantages`` (renormalisation, baseline arms), ``routing.evaluation``, ``routing.trace``,
+``routing.plots``.
 
 One generation and step:
 1. reward stage (`routing_rewards`): TRL's gathered rewards, with ``--base_reward`` where the hack does not pay
