@@ -116,31 +116,6 @@ def test_torchrun_dataset_columns_and_eval_rewards(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_routing_off_policy_distillation_together(tmp_path):
-    """The features at once on 2 processes: routed dual LoRA (two-pass), k = 1 strict, distillation with the base
-    weights as teacher, one group of 8 over both processes, saved rollouts. Every saved row carries its routing
-    label, teacher log-prob sum and policy versions; the advantages come from routing on distillation's reward."""
-    from trl_ext.runs.rollouts import load_rollouts
-
-    out = tmp_path / "out"
-    proc = torchrun(["train.py", "--reward", "sentence_length_5_with_happy", "--gradient_routing", "--routing_mode",
-                     "exclusive", "--lora_config", "r4", "--routing_two_pass", "--max_async_level", "1",
-                     "--strict_async_level", "--teacher_tau", "0.1", "--teacher_context", "A happy story.",
-                     "--save_rollouts", "--max_steps", "3", "--batch_size", "4", "--num_generations", "8",
-                     "--max_completion_length", "8", "--save_steps", "3", "--logging_steps", "1", "--no_wandb",
-                     "--output_dir", str(out)])  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = out.iterdir()
-    assert "advantages: routing:retain-only+distill (step 1)" in (run_dir / "train.log").read_text()
-    for step in (1, 2, 3):
-        rows = load_rollouts(run_dir, step)
-        assert rows["sample"] == list(range(8)) and rows["group"] == [0] * 8
-        assert all(v is not None for v in rows["is_bad"]) and all(v < 0 for v in rows["teacher_logprob_sum"])
-        assert set(rows["policy_version_min"]) == set(rows["policy_version_max"]) == {max(step - 2, 0)}  # strict
-    assert (run_dir / "checkpoint-3" / "dual_lora_layout.json").is_file()
-
-
-@pytest.mark.slow
 def test_torchrun_environment_mixture_off_policy(tmp_path):
     """`--env frozenlake,arithmetic` (multi- and single-turn episodes in one batch) at k = 1 on 2 processes, each
     process's generator thread playing its slice's episodes: one run to a checkpoint; every saved step holds both
