@@ -127,7 +127,7 @@ def test_shards_load_together_and_late_ones_are_discarded(tmp_path, capsys):
     feats = ro.features(["r"], [])
     for step in (1, 2, 3):
         versions = {"policy_version_min": [step - 1] * 2} if step == 2 else {}
-        ro.write_shard(ro.shard_path(tmp_path, step, 0), _row(step, **versions), feats)
+        ro.write_shard(ro.shard_path(tmp_path, step), _row(step, **versions), feats)
     everything = ro.load_rollouts(tmp_path)
     assert len(everything) == 6 and everything.features == feats
     one = ro.load_rollouts(tmp_path, step=2)

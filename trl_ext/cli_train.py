@@ -208,11 +208,10 @@ def run_training(plan: Plan) -> int:
 
     from environments.stories import load_prompts
     from rewards.config import trl_reward_args
-    from trl_ext.launch.processes import barrier, describe_launch, is_main, launch_record
+    from trl_ext.launch.processes import barrier
     from trl_ext.routing.setup import routing_setup
-    from trl_ext.runlog import write_run_config
     from trl_ext.runs.preemption import PreemptionCallback, preemption_handler
-    from trl_ext.runs.rundir import open_run_dir
+    from trl_ext.runs.rundir import start_on_main
     from trl_ext.trainer import ExtGRPOTrainer
 
     run, cfg = plan.run, plan.cfg
@@ -220,13 +219,9 @@ def run_training(plan: Plan) -> int:
         from trl_ext.sft import run_sft
 
         return run_sft(plan)
-    main_process = is_main()  # only the main process writes the run directory and wandb
-    tee = open_run_dir(plan) if main_process else None
-    if main_process:
-        print(describe_launch(cfg), flush=True)
-        setup_wandb(plan)
-        write_run_config(plan.run_dir / "run_config.yaml", run, cfg, extra=launch_record())
-    else:
+    tee = start_on_main(plan, prepare=setup_wandb)  # only the main process writes the run directory and wandb
+    main_process = tee is not None
+    if not main_process:
         cfg.report_to = []
     barrier()  # the run directory exists before any rank trains
     set_seed(cfg.seed)  # adapters built before the trainer (dual LoRA) are initialised from the run's seed

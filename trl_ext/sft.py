@@ -120,22 +120,18 @@ def run_sft(plan) -> int:
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    from trl_ext.launch.processes import barrier, describe_launch, is_main, launch_record
+    from trl_ext.launch.processes import barrier
     from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
-    from trl_ext.runlog import write_run_config
     from trl_ext.runs.mixin import CheckpointMixin
     from trl_ext.runs.preemption import PreemptionCallback, preemption_handler
-    from trl_ext.runs.rundir import open_run_dir
+    from trl_ext.runs.rundir import start_on_main
 
     class CheckpointedSFTTrainer(CheckpointMixin, SFTTrainer):
         """TRL's SFTTrainer with atomic checkpoints and loud numeric faults (`trl_ext.runs.mixin`)."""
 
     run, cfg = plan.run, plan.cfg
-    main_process = is_main()  # only the main process writes the run directory, validates and saves the model
-    tee = open_run_dir(plan) if main_process else None
-    if main_process:
-        print(describe_launch(cfg), flush=True)
-        write_run_config(plan.run_dir / "run_config.yaml", run, cfg, extra=launch_record())
+    tee = start_on_main(plan)  # only the main process writes the run directory, validates and saves the model
+    main_process = tee is not None
     model_path = model_source(run.model)
     tokenizer = prepare_tokenizer(load_tokenizer(model_path))
     model = AutoModelForCausalLM.from_pretrained(model_path)

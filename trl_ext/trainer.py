@@ -227,7 +227,7 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
             cols = {key: gather_object(values) for key, values in cols.items()}
             if not self.accelerator.is_main_process:
                 return
-        path = rollouts.shard_path(self.args.output_dir, self.state.global_step + 1, 0)
+        path = rollouts.shard_path(self.args.output_dir, self.state.global_step + 1)
         rollouts.write_shard(path, cols, self._rollout_features)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

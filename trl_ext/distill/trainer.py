@@ -171,14 +171,14 @@ class DistillMixin:
                 self.rollout_columns[name] = masked_sums(lp, mask)
         # Groups over the whole batch: TRL may place a group's members on several processes (``task`` is already
         # gathered, in process order), so the log-probs are gathered too, padded to the longest completion.
-        every = self.gather_rows
-        result = distill_advantages(task, every(lp_teacher), every(lp_student), every(mask), cfg, group)
+        all_teacher, all_student, all_mask = (self.gather_rows(t) for t in (lp_teacher, lp_student, mask))
+        result = distill_advantages(task, all_teacher, all_student, all_mask, cfg, group)
         if result.token_level:
             if lp_teacher is not None:
                 batch["distill_lp_teacher"] = lp_teacher
             if result.gate is not None:
                 batch["distill_gate"] = local_slice(result.gate, self.accelerator.process_index, mask.size(0))
-        for name, value in distill_metrics(result, every(lp_teacher), every(lp_student), every(mask)).items():
+        for name, value in distill_metrics(result, all_teacher, all_student, all_mask).items():
             self._metrics[mode][name].append(value)
         return result
 

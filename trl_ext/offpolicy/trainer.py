@@ -205,8 +205,8 @@ class OffPolicyMixin:
             raise RuntimeError("rollout versions / behaviour log-probs do not line up with the completions")
         out["behaviour_versions"] = versions
         mask = loss_mask(out)
-        for name, value in policy_lag_stats(versions, mask, self.state.global_step).items():
-            self._log_over_processes(f"offpolicy/{name}", value)
+        lag = policy_lag_stats(versions, mask, self.state.global_step)
+        self._log_over_processes({f"offpolicy/{name}": value for name, value in lag.items()})
 
     # ------------------------------------------------------------------ loss
     @property
@@ -235,21 +235,23 @@ class OffPolicyMixin:
         out = importance_loss(lp, inputs["sampling_per_token_logps"], inputs["advantages"], mask,
                               self.offpolicy_cfg, self.loss_type, **kwargs)  # fmt: skip
         loss = out.loss
+        logged = {f"offpolicy/{name}": value for name, value in out.metrics.items()}
         if self.beta != 0.0:  # kept tokens only, weighted by the policy term's (clipped) ratio: offpolicy.importance
             per_token_kl = reference_kl(lp, inputs["ref_per_token_logps"], inputs["sampling_per_token_logps"], mask,
                                         out.masks["keep"], self.offpolicy_cfg,
                                         bias_correction=self.args.use_bias_correction_kl)  # fmt: skip
             loss = loss + self.beta * NORMALISATIONS.get(self.loss_type)(per_token_kl, mask, **kwargs)
-            self._log_over_processes("kl", per_token_kl.detach().sum() / mask.sum().clamp(min=1))
+            logged["kl"] = per_token_kl.detach().sum() / mask.sum().clamp(min=1)
         if self.loss_type not in ("dapo", "token"):
             loss = loss / accumulation
-        self._log_over_processes("entropy", (entropies.detach() * mask).sum() / mask.sum().clamp(min=1))
-        for name, value in out.metrics.items():
-            self._log_over_processes(f"offpolicy/{name}", value)
+        logged["entropy"] = (entropies.detach() * mask).sum() / mask.sum().clamp(min=1)
+        self._log_over_processes(logged)
         return loss
 
-    def _log_over_processes(self, name: str, value: torch.Tensor) -> None:
-        """A training metric over every process (TRL gathers its own the same way): the mean of the processes'
-        values, the largest for a ``*_max``; the value itself on one process."""
-        values = self.accelerator.gather(value.detach().float().reshape(1))
-        self._metrics["train"][name].append((values.max() if name.endswith("_max") else values.mean()).item())
+    def _log_over_processes(self, metrics: dict[str, torch.Tensor]) -> None:
+        """Training metrics over every process (TRL gathers its own the same way), in one gather: the mean of the
+        processes' values, the largest for a ``*_max``; the values themselves on one process."""
+        names = list(metrics)
+        rows = self.accelerator.gather(torch.stack([metrics[k].detach().float().reshape(()) for k in names])[None])
+        for name, column in zip(names, rows.unbind(1), strict=True):
+            self._metrics["train"][name].append((column.max() if name.endswith("_max") else column.mean()).item())

@@ -77,8 +77,9 @@ def masked_sums(values: torch.Tensor, mask: torch.Tensor) -> list[float]:
     return (values.double() * mask.double()).sum(1).tolist()
 
 
-def shard_path(run_dir: str | Path, step: int, rank: int) -> Path:
-    return Path(run_dir) / ROLLOUT_DIR / f"step-{step:06d}-rank{rank}.parquet"
+def shard_path(run_dir: str | Path, step: int) -> Path:
+    """A step's shard (written by the main process; ``rank0`` in the name keeps the format readers match)."""
+    return Path(run_dir) / ROLLOUT_DIR / f"step-{step:06d}-rank0.parquet"
 
 
 def write_shard(path: Path, columns: dict[str, list], feats) -> None:

@@ -102,3 +102,20 @@ def open_run_dir(plan):
     for note in notes:
         print(note, flush=True)
     return tee
+
+
+def start_on_main(plan, prepare=None):
+    """The main process's share of starting a run of ``plan``: `open_run_dir`, train.log's launch line (processes and
+    global batch), ``prepare(plan)`` if given (e.g. wandb, whose choice run_config.yaml records), run_config.yaml.
+    Returns the train.log tee; None on the other processes, which write nothing."""
+    from trl_ext.launch.processes import describe_launch, is_main, launch_record
+    from trl_ext.runlog import write_run_config
+
+    if not is_main():
+        return None
+    tee = open_run_dir(plan)
+    print(describe_launch(plan.cfg), flush=True)
+    if prepare is not None:
+        prepare(plan)
+    write_run_config(plan.run_dir / "run_config.yaml", plan.run, plan.cfg, extra=launch_record())
+    return tee
