@@ -14,6 +14,9 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from trl_ext.cli_train import main  # noqa: E402
+from trl_ext.launch.processes import end_processes  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    end_processes()  # every rank, after its last collective (a refusal included)
+    sys.exit(code)

@@ -69,3 +69,17 @@ def test_torchrun_refused_feature_exits_2_without_a_run(tmp_path):
            "2 processes (WORLD_SIZE=2)" in proc.stderr
     assert "exitcode  : 2" in proc.stderr  # torchrun's root-cause report: the refusal, not a crash
     assert not out.exists()
+
+
+def test_end_processes_destroys_the_group(tmp_path):
+    """train.py ends the process group before exit (a group left to interpreter finalization can abort the process
+    with SIGABRT after its work is done); a no-op without one."""
+    import torch.distributed as dist
+
+    from trl_ext.launch.processes import end_processes, world
+
+    end_processes()  # none started: nothing to do
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    assert dist.is_initialized()
+    end_processes()
+    assert not dist.is_initialized() and world() == (0, 1)

@@ -127,4 +127,8 @@ if __name__ == "__main__":  # uv run torchrun --nproc_per_node 2 tests/test_matr
     import sys
     from pathlib import Path
 
-    sys.exit(1 if run_all_cells(Path(sys.argv[1])) else 0)
+    from trl_ext.launch.processes import end_processes
+
+    failed = run_all_cells(Path(sys.argv[1]))
+    end_processes()
+    sys.exit(1 if failed else 0)

@@ -458,5 +458,8 @@ def run_equivalence(out: Path, model: str, env_model: str) -> None:
 
 
 if __name__ == "__main__":
+    from trl_ext.launch.processes import end_processes
+
     if sys.argv[1] == "equivalence":
         run_equivalence(Path(sys.argv[2]), sys.argv[3], sys.argv[4])
+    end_processes()

@@ -200,6 +200,17 @@ def barrier() -> None:
         dist.barrier()
 
 
+def end_processes() -> None:
+    """Destroy the process group before the interpreter exits (every rank, on a normal return or a refusal).
+    Without it Gloo's worker threads may still hold finished work whose tensors are freed during interpreter
+    finalization, and the process aborts with SIGABRT after its work is done (pytorch/pytorch#179291). Not called
+    on an exception: a rank whose peer waits in a collective would block on the join; torchrun ends that launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def describe_launch(cfg) -> str:
     """train.log's header line: processes and the global batch (TRL's per_device_train_batch_size is per process)."""
     _, n = world()
