@@ -55,14 +55,14 @@ def check_single_process(cli: str, environ: Mapping[str, str] | None = None) -> 
 
 
 # ------------------------------------------------------------------------------------------ what runs on N processes
-# Single flags (ExtGRPOConfig / TrainingArguments): (field, value allowed on several processes, feature).
+# Single flags (ExtGRPOConfig / TrainingArguments): (field, feature); several processes need the field's default.
 CFG_FLAGS = (
-    ("use_vllm", False, "vLLM generation"),
-    ("use_transformers_continuous_batching", False, "continuous-batching generation"),
+    ("use_vllm", "vLLM generation"),
+    ("use_transformers_continuous_batching", "continuous-batching generation"),
 )
-# RunArgs flags: (field, value allowed, feature).
+# RunArgs flags: (field, feature), likewise.
 RUN_FLAGS = (
-    ("rebuild_builtin", False, "rebuilding the builtin model (every process would rebuild it)"),
+    ("rebuild_builtin", "rebuilding the builtin model (every process would rebuild it)"),
 )
 
 
@@ -76,27 +76,33 @@ def _plain(value) -> object:
     return value.value if hasattr(value, "value") else value  # TrainingArguments' str enums (eval_strategy)
 
 
+def _default(obj, name: str) -> object:
+    """The dataclass default of ``obj``'s field ``name`` (the one place a flag's default is defined)."""
+    (f,) = (f for f in dataclasses.fields(obj) if f.name == name)
+    return _plain(f.default)
+
+
 def check_run_processes(run, environ: Mapping[str, str] | None = None) -> None:
     """RunArgs features refused on several processes (ConfigError naming the flag); nothing on one process."""
     n, var = launched_processes(environ)
     if n == 1:
         return
-    for flag, allowed, feature in RUN_FLAGS:
-        if getattr(run, flag) != allowed:
+    for flag, feature in RUN_FLAGS:
+        if getattr(run, flag) != _default(run, flag):
             raise _refusal(flag, getattr(run, flag), feature, n, var)
 
 
 def changed_flag(cfg, groups: dict[type, str], flags) -> tuple[str, object, str] | None:
     """(flag, value, feature) of the first field of the ``groups`` dataclasses (-> feature name) away from its default,
-    else of the first ``flags`` entry (field, allowed value, feature) away from its allowed value; None."""
+    else of the first ``flags`` entry (field, feature) away from its default; None."""
     for group, feature in groups.items():
         for f in dataclasses.fields(group):
             if not f.init or f.default is dataclasses.MISSING:
                 continue
             if getattr(cfg, f.name) != f.default:
                 return f.name, getattr(cfg, f.name), feature
-    for flag, allowed, feature in flags:
-        if _plain(getattr(cfg, flag)) != allowed:
+    for flag, feature in flags:
+        if _plain(getattr(cfg, flag)) != _default(cfg, flag):
             return flag, _plain(getattr(cfg, flag)), feature
     return None
 

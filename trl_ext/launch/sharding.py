@@ -52,8 +52,8 @@ def check_cfg_sharding(cfg, environ: Mapping[str, str] | None = None) -> None:
     kind = sharded_training(cfg, environ)
     if kind is None:
         return
-    flags = (("generation_backend", "trl", "the fast generation backend"), ("save_rollouts", False, "saved rollouts"),
-             ("eval_strategy", "no", "TRL's eval loop"), *CFG_FLAGS)  # fmt: skip
+    flags = (("generation_backend", "the fast generation backend"), ("save_rollouts", "saved rollouts"),
+             ("eval_strategy", "TRL's eval loop"), *CFG_FLAGS)  # fmt: skip
     found = changed_flag(cfg, _feature_groups(), flags)
     if found is not None:
         flag, value, feature = found
