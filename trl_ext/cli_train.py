@@ -246,7 +246,7 @@ def run_training(plan: Plan) -> int:
                                  **run.lora_targets.peft_kwargs())  # fmt: skip
     rc = plan.reward_config
     for label, data in (("train", plan.train_data), ("eval", plan.eval_data)):
-        if data is not None:
+        if data is not None and main_process:
             print(f"{label} prompts: {data.describe()}", flush=True)
     model, routing_kwargs = routing_setup(run, cfg, rc, model_path, tokenizer, prompt_source(run), plan.eval_data)
     trainer = ExtGRPOTrainer(

@@ -137,9 +137,9 @@ def run_sft(plan) -> int:
     model = AutoModelForCausalLM.from_pretrained(model_path)
     env_params = parse_env_params(cfg.env_params)
     records = sft_records(cfg.env, cfg.sft_train_size, TRAIN_LEVELS, uses_chat(tokenizer), env_params)
-    print(f"sft: {len(records)} records from {cfg.sft_train_size} solved levels", flush=True)
     val_args = (cfg.env, cfg.sft_test_size, cfg.turns, cfg.max_completion_length)
     if main_process:
+        print(f"sft: {len(records)} records from {cfg.sft_train_size} solved levels", flush=True)
         before = validate(model, tokenizer, *val_args, env_params=env_params)
         print(f"validation before SFT: {before}", flush=True)
     barrier()  # the run directory exists (and the validation ran) before any process trains
