@@ -155,3 +155,11 @@ def test_chat_prompts_and_completions_are_judged_as_text():
     assert as_text(prompt) == "system: rules\nuser: 9 * 8 ="
     assert as_text([{"role": "assistant", "content": answer("72")}]) == answer("72")
     assert as_text("plain") == "plain"
+    # TRL's tool loop: tool calls as "call NAME(JSON arguments)", tool results after their role
+    call = {"type": "function", "function": {"name": "read", "arguments": {"title": "Mia the fox"}}}
+    rollout = [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "name": "read",
+               "content": "page: Mia the fox"}, {"role": "assistant", "content": "done."}]  # fmt: skip
+    assert as_text(rollout) == ('assistant: call read({"title": "Mia the fox"})\ntool: page: Mia the fox\n'
+                                "assistant: done.")
+    assert as_text([{"role": "assistant", "content": "let me look", "tool_calls": [call, call]}]) == (
+        'let me look call read({"title": "Mia the fox"}) call read({"title": "Mia the fox"})')

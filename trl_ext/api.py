@@ -56,6 +56,14 @@ def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("distillation with teacher_tau > 0 needs a teacher: args.teacher_model, LoRA adapters "
                          "(peft_config or a dual LoRA config: the teacher is the model with them disabled) or "
                          "beta > 0 (TRL's frozen reference model)")  # train.py: distill.args.check_run_distill
+    if named.get("environment_factory") is not None or named.get("tools"):  # TRL's tool loop (README "Search")
+        if cfg.distill_on:
+            raise ValueError("distillation scores single-turn and --env completions; TRL's tool loop (tools / "
+                             "environment_factory) writes tool results into the completion, which the teacher's "
+                             "system-message context cannot be placed around: not supported")
+        if cfg.env:
+            raise ValueError("args.env runs the project's episode loop; environment_factory / tools run TRL's tool "
+                             "loop: give one of them")
     model = named.get("model")
     if isinstance(model, str):
         model = named["model"] = model_source(model)

@@ -10,7 +10,7 @@ key                        shape       written by   present
 prompt_ids, prompt_mask    [B, P]      source       always
 completion_ids             [B, C]      source       always
 completion_mask            [B, C]      source       always (1 = a real token, 0 = padding)
-tool_mask                  [B, C]      source       ``--env``: 1 = agent token (trained), 0 = environment token
+tool_mask                  [B, C]      source       ``--env`` or TRL tools: 1 = agent token, 0 = environment token
 sampling_per_token_logps   [B, C]      source       ``--max_async_level >= 1``: behaviour log-probs (0 off mask)
 behaviour_versions         [B, C]      scorer       ``--max_async_level >= 1``: policy version of every token
 old_per_token_logps        [B, C]      TRL          when TRL needs them (num_iterations > 1, IS correction)

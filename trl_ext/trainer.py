@@ -156,7 +156,7 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
         a, d = self.args, self.distill_cfg
         token_path = d is not None and not d.use_full_reward_baseline
         return BatchFeatures(
-            env=bool(a.env), offpolicy=self._pending_rollout is not None, detector=self.rh_detector is not None,
+            env=bool(a.env) or bool(self.tools), offpolicy=self._pending_rollout is not None, detector=self.rh_detector is not None,
             labelled=a.labelled and mode == "train" and self.rh_detector is not None,
             distill_teacher_tokens=token_path and d.teacher_tau > 0, distill_gate=token_path and d.kl_only_incorrect,
         )

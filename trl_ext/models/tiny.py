@@ -15,6 +15,10 @@ assistant , ...`` for the builtin story tokenizer, which has only ``! , . ?`` be
 the first that ``--tokenizer`` encodes without [UNK]; a name or a Jinja file picks one. `with_chat_template` gives
 any saved model (``builtin_env``'s pretrained weights) a template. A template whose rendering has [UNK] is refused.
 
+A tool-calling model: ``--tokenizer bytes`` (`trl_ext.models.byte_tokenizer`, a byte-level BPE) with
+``--chat_template trl:qwen2_5`` (TRL's own template file, whose tool calls TRL parses) and ``--positions 4096`` (TRL's
+tool loop stops at the context length); environments/search_tools.py and its tests use it.
+
 ``FAMILIES`` lists the architectures (their transformers ``model_type``); every one is built with the same
 size (``SIZE``) where its config has the field. Sliding-window families get a window larger than any sequence the
 tests use unless ``sliding_window`` is given.
@@ -53,13 +57,15 @@ _PROBE = [{"role": "system", "content": "rules"}, {"role": "user", "content": "h
           {"role": "assistant", "content": "hi"}, {"role": "user", "content": "go"}]  # fmt: skip
 
 
-def tiny_config(model_type: str, vocab_size: int, eos_token_id: int, sliding_window: int | None = None):
-    """The config of a tiny ``model_type`` model (see the module docstring)."""
+def tiny_config(model_type: str, vocab_size: int, eos_token_id: int, sliding_window: int | None = None,
+                positions: int | None = None):
+    """The config of a tiny ``model_type`` model (see the module docstring); ``positions``: its context length
+    (default ``SIZE["positions"]``)."""
     from transformers import AutoConfig
 
     if model_type not in _FIELDS:
         raise ValueError(f"unknown tiny model family {model_type!r}; families: {', '.join(FAMILIES)}")
-    s, kind = SIZE, _FIELDS[model_type]
+    s, kind = {**SIZE, "positions": positions or SIZE["positions"]}, _FIELDS[model_type]
     common = {"vocab_size": vocab_size, "eos_token_id": eos_token_id, "bos_token_id": None, "pad_token_id": eos_token_id}
     if kind == "gpt2":
         fields = {"n_embd": s["hidden"], "n_layer": s["layers"], "n_head": s["heads"], "n_inner": s["intermediate"],
@@ -86,20 +92,35 @@ def unknown_tokens(tok, chat_template: str) -> int:
     return 0 if tok.unk_token_id is None else ids.count(tok.unk_token_id)
 
 
+def trl_template(name: str) -> str:
+    """The Jinja text of TRL's published chat template ``name`` (``trl/chat_templates/NAME.jinja``: ``qwen2_5``,
+    ``qwen3``, ``llama3_2``, ...; those TRL parses tool calls of, `trl.chat_template_utils.add_response_schema`)."""
+    from importlib.resources import files
+
+    path = files("trl") / "chat_templates" / f"{name}.jinja"
+    if not path.is_file():
+        known = sorted(p.name[: -len(".jinja")] for p in (files("trl") / "chat_templates").iterdir()
+                       if p.name.endswith(".jinja"))  # fmt: skip
+        raise ValueError(f"--chat_template trl:{name}: TRL ships no such template; it has {', '.join(known)}")
+    return path.read_text()
+
+
 def chat_template_for(tok, choice: str | None = None) -> str:
-    """The Jinja text of ``choice`` for ``tok``: a ``CHAT_TEMPLATES`` name, a path to a Jinja file, or None for the
-    first builtin template ``tok`` encodes without [UNK]. Raises ValueError when the template renders to [UNK]."""
+    """The Jinja text of ``choice`` for ``tok``: a ``CHAT_TEMPLATES`` name, ``trl:NAME`` (`trl_template`), a path to
+    a Jinja file, or None for the first builtin template ``tok`` encodes without [UNK]. Raises ValueError when the
+    template renders to [UNK]."""
     if choice is None:
         for template in CHAT_TEMPLATES.values():
             if unknown_tokens(tok, template) == 0:
                 return template
         raise ValueError(f"no builtin chat template ({', '.join(CHAT_TEMPLATES)}) encodes without [UNK] in this "
                          "tokenizer: pass a Jinja file")  # fmt: skip
-    template = CHAT_TEMPLATES.get(choice)
+    template = trl_template(choice[len("trl:"):]) if choice.startswith("trl:") else CHAT_TEMPLATES.get(choice)
     if template is None:
         path = Path(choice)
         if not path.is_file():
-            raise ValueError(f"--chat_template {choice!r} is neither one of {', '.join(CHAT_TEMPLATES)} nor a file")
+            raise ValueError(f"--chat_template {choice!r} is neither one of {', '.join(CHAT_TEMPLATES)}, trl:NAME "
+                             "nor a file")
         template = path.read_text()
     check_template(tok, template, repr(choice))
     return template
@@ -137,8 +158,21 @@ def tokenizer_source(tokenizer: str) -> str:
     return model_source(tokenizer)
 
 
+def tiny_tokenizer(tokenizer: str):
+    """The tokenizer a tiny model is built with: ``bytes`` (`byte_tokenizer`: a byte-level BPE that renders and
+    decodes any chat template exactly, the one for tool calling), or `tokenizer_source`'s."""
+    if tokenizer == "bytes":
+        from trl_ext.models.byte_tokenizer import byte_tokenizer
+
+        return byte_tokenizer()
+    from trl_ext.models import load_tokenizer
+
+    return load_tokenizer(tokenizer_source(tokenizer))
+
+
 def build_tiny(model_type: str, out_dir: str | Path, tokenizer: str = "builtin", seed: int = SEED,
-               chat_template: str | None = None, sliding_window: int | None = None) -> Path:
+               chat_template: str | None = None, sliding_window: int | None = None,
+               positions: int | None = None) -> Path:
     """Build and save a tiny random ``model_type`` model with ``tokenizer``'s tokenizer into ``out_dir``.
 
     ``chat_template`` (Jinja text; ValueError when its rendering has [UNK] in this tokenizer) is set on the saved
@@ -147,13 +181,11 @@ def build_tiny(model_type: str, out_dir: str | Path, tokenizer: str = "builtin",
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trl_ext.models import load_tokenizer
-
-    tok = load_tokenizer(tokenizer_source(tokenizer))
+    tok = tiny_tokenizer(tokenizer)
     if chat_template is not None:
         check_template(tok, chat_template)
         tok.chat_template = chat_template
-    config = tiny_config(model_type, len(tok), tok.eos_token_id, sliding_window)
+    config = tiny_config(model_type, len(tok), tok.eos_token_id, sliding_window, positions)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
@@ -163,7 +195,8 @@ def build_tiny(model_type: str, out_dir: str | Path, tokenizer: str = "builtin",
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    info = {"family": model_type, "tokenizer": tokenizer, "seed": seed, "size": SIZE, "chat_template": chat_template
+    info = {"family": model_type, "tokenizer": tokenizer, "seed": seed, "size": SIZE, "positions": config
+            .max_position_embeddings if model_type != "gpt2" else config.n_positions, "chat_template": chat_template
             is not None, "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
     (out / "tiny_info.json").write_text(json.dumps(info, indent=2))
     return out
@@ -173,22 +206,25 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Build a tiny random model of an architecture (offline).")
     p.add_argument("family", choices=FAMILIES)
     p.add_argument("out_dir")
-    p.add_argument("--tokenizer", default="builtin", help="a builtin model name or a tokenizer path")
+    p.add_argument("--tokenizer", default="builtin", help="a builtin model name, a tokenizer path, or bytes (a "
+                   "byte-level BPE for published chat templates: trl_ext.models.byte_tokenizer)")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--sliding_window", type=int, default=None)
+    p.add_argument("--positions", type=int, default=None, help=f"context length (default {SIZE['positions']}; TRL's "
+                   "tool loop stops a rollout at it)")
     p.add_argument("--chat_template", nargs="?", const="", default=None, metavar="NAME_OR_FILE",
-                   help=f"give the tokenizer a chat template: {' or '.join(CHAT_TEMPLATES)} (CHAT_TEMPLATES), a Jinja "
+                   help=f"give the tokenizer a chat template: {' or '.join(CHAT_TEMPLATES)} (CHAT_TEMPLATES), trl:NAME "
+                        "(TRL's published templates, e.g. trl:qwen2_5 with --tokenizer bytes: tool calling), a Jinja "
                         "file, or bare: the first builtin one the tokenizer encodes without [UNK]")  # fmt: skip
     args = p.parse_args(argv)
     template = None
     if args.chat_template is not None:
-        from trl_ext.models import load_tokenizer
-
         try:
-            template = chat_template_for(load_tokenizer(tokenizer_source(args.tokenizer)), args.chat_template or None)
+            template = chat_template_for(tiny_tokenizer(args.tokenizer), args.chat_template or None)
         except ValueError as e:
             p.error(str(e))
-    out = build_tiny(args.family, args.out_dir, args.tokenizer, args.seed, template, args.sliding_window)
+    out = build_tiny(args.family, args.out_dir, args.tokenizer, args.seed, template, args.sliding_window,
+                     args.positions)
     print(out)
 
 

@@ -29,6 +29,7 @@ detector, when one is configured, logs ``rh_rate`` for any run. With the feature
 from __future__ import annotations
 
 import inspect
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -54,15 +55,22 @@ from trl_ext.routing.trace import append_trace, trace_fires, trace_records
 TextDetector = Callable[[list[str]], list[bool]]
 
 
+def _message_text(m: dict) -> str:
+    """A message's content, then its tool calls (TRL's tool loop) as ``call NAME({"arg": ...})``."""
+    calls = [f"call {c['function']['name']}({json.dumps(c['function']['arguments'])})" for c in m.get("tool_calls") or []]
+    return " ".join(part for part in (m.get("content") or "", *calls) if part)
+
+
 def as_text(x) -> str:
     """A prompt or completion as text: plain text as is; chat messages (TRL's conversational format) as their
     contents, each after its role (``"system: ...\nuser: ..."``; a completion's one assistant message: its
-    content), so detectors, base rewards and the per-prompt hackability draw see text either way."""
+    content), tool calls written ``call NAME(JSON arguments)`` (`_message_text`), so detectors, base rewards and
+    the per-prompt hackability draw see text either way."""
     if isinstance(x, str):
         return x
     if len(x) == 1 and x[0].get("role") == "assistant":
-        return x[0]["content"]
-    return "\n".join(f"{m['role']}: {m['content']}" for m in x)
+        return _message_text(x[0])
+    return "\n".join(f"{m['role']}: {_message_text(m)}" for m in x)
 
 
 class AdaptersDisabledReference(nn.Module):
