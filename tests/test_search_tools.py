@@ -165,6 +165,7 @@ def test_trainer_runs_the_tool_loop(tools_model, tmp_path, feature):
     ex = _example()
     trainer = ex.build_trainer(tools_model, feature, max_steps=2, output_dir=str(tmp_path), n_pages=PAGES,
                                trainer_class=_scripted(ExtGRPOTrainer), bf16=False, use_cpu=True)  # fmt: skip
+    assert sorted(tool.__name__ for tool in trainer.tools) == ["answer", "read", "search"]  # not reset, get_reward
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
