@@ -102,6 +102,15 @@ def test_byte_tokenizer_round_trips_and_renders_trls_tool_template():
         trl_template("no_such_template")
 
 
+def test_tiny_positions_set_the_context_length():
+    from trl_ext.models.tiny import SIZE, tiny_config
+
+    assert tiny_config("qwen2", 10, 0, positions=4096).max_position_embeddings == 4096
+    assert tiny_config("gpt2", 10, 0).n_positions == SIZE["positions"]
+    with pytest.raises(ValueError, match="positions must be an int >= 1"):
+        tiny_config("qwen2", 10, 0, positions=0)
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 def _example():
     path = Path(__file__).resolve().parents[1] / "examples" / "search_tools.py"

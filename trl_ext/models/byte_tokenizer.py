@@ -8,8 +8,8 @@ tool schema and the tool results, and TRL parses the decoded completion with the
 `byte_tokenizer` trains a byte-level BPE (GPT-2's pre-tokenizer and byte alphabet: every string encodes, no [UNK],
 and decoding gives the text back exactly) with the ``tokenizers`` library on a fixed text (the search corpus, its
 questions, the search tools' JSON schemas, Qwen2.5's default system turn and a few tool calls: 1047 entries), and
-adds Qwen's special tokens. It is deterministic: the same text and ``vocab_size`` give the same vocabulary. ``EOS`` is Qwen's end of turn, so generation stops at the end of an
-assistant turn as it does with a Qwen model.
+adds Qwen's special tokens. It is deterministic: the same text and ``vocab_size`` give the same vocabulary. ``EOS``
+is Qwen's end of turn, so generation stops at the end of an assistant turn as it does with a Qwen model.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def _training_text() -> list[str]:
 
 
 def byte_tokenizer(vocab_size: int = VOCAB_SIZE):
-    """A ``PreTrainedTokenizerFast``: byte-level BPE of at most ``vocab_size`` entries  (module docstring), EOS ``<|im_end|>``,
-    PAD ``<|endoftext|>``, no chat template (set one: ``trl_ext.models.tiny``)."""
+    """A ``PreTrainedTokenizerFast``: byte-level BPE of at most ``vocab_size`` entries (module docstring), EOS
+    ``<|im_end|>``, PAD ``<|endoftext|>``, no chat template (set one: ``trl_ext.models.tiny``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

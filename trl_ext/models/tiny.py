@@ -65,7 +65,10 @@ def tiny_config(model_type: str, vocab_size: int, eos_token_id: int, sliding_win
 
     if model_type not in _FIELDS:
         raise ValueError(f"unknown tiny model family {model_type!r}; families: {', '.join(FAMILIES)}")
-    s, kind = {**SIZE, "positions": positions or SIZE["positions"]}, _FIELDS[model_type]
+    if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
+        raise ValueError(f"positions must be an int >= 1, got {positions!r}")
+    s = {**SIZE, "positions": SIZE["positions"] if positions is None else positions}
+    kind = _FIELDS[model_type]
     common = {"vocab_size": vocab_size, "eos_token_id": eos_token_id, "bos_token_id": None, "pad_token_id": eos_token_id}
     if kind == "gpt2":
         fields = {"n_embd": s["hidden"], "n_layer": s["layers"], "n_head": s["heads"], "n_inner": s["intermediate"],
@@ -195,8 +198,8 @@ def build_tiny(model_type: str, out_dir: str | Path, tokenizer: str = "builtin",
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    info = {"family": model_type, "tokenizer": tokenizer, "seed": seed, "size": SIZE, "positions": config
-            .max_position_embeddings if model_type != "gpt2" else config.n_positions, "chat_template": chat_template
+    info = {"family": model_type, "tokenizer": tokenizer, "seed": seed, "size": SIZE, "positions": SIZE["positions"]
+            if positions is None else positions, "chat_template": chat_template
             is not None, "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
     (out / "tiny_info.json").write_text(json.dumps(info, indent=2))
     return out
@@ -223,6 +226,10 @@ def main(argv: list[str] | None = None) -> None:
             template = chat_template_for(tiny_tokenizer(args.tokenizer), args.chat_template or None)
         except ValueError as e:
             p.error(str(e))
+    try:
+        tiny_config(args.family, 1, 0, args.sliding_window, args.positions)  # bad values: a usage error, nothing built
+    except ValueError as e:
+        p.error(str(e))
     out = build_tiny(args.family, args.out_dir, args.tokenizer, args.seed, template, args.sliding_window,
                      args.positions)
     print(out)

@@ -57,7 +57,8 @@ TextDetector = Callable[[list[str]], list[bool]]
 
 def _message_text(m: dict) -> str:
     """A message's content, then its tool calls (TRL's tool loop) as ``call NAME({"arg": ...})``."""
-    calls = [f"call {c['function']['name']}({json.dumps(c['function']['arguments'])})" for c in m.get("tool_calls") or []]
+    calls = [f"call {c['function']['name']}({json.dumps(c['function']['arguments'])})"
+             for c in m.get("tool_calls") or []]
     return " ".join(part for part in (m.get("content") or "", *calls) if part)
 
 
