@@ -54,7 +54,6 @@ def byte_tokenizer(vocab_size: int = VOCAB_SIZE):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tok.train_from_iterator(_training_text(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token="<|endoftext|>",
-                                   additional_special_tokens=None)  # fmt: skip
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token="<|endoftext|>")
     fast.add_tokens(list(ADDED))
     return fast

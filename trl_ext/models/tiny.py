@@ -57,6 +57,12 @@ _PROBE = [{"role": "system", "content": "rules"}, {"role": "user", "content": "h
           {"role": "assistant", "content": "hi"}, {"role": "user", "content": "go"}]  # fmt: skip
 
 
+def check_positions(positions: int | None) -> None:
+    """ValueError unless ``positions`` (a context length) is None (``SIZE``'s) or an int >= 1."""
+    if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
+        raise ValueError(f"positions must be an int >= 1, got {positions!r}")
+
+
 def tiny_config(model_type: str, vocab_size: int, eos_token_id: int, sliding_window: int | None = None,
                 positions: int | None = None):
     """The config of a tiny ``model_type`` model (see the module docstring); ``positions``: its context length
@@ -65,8 +71,7 @@ def tiny_config(model_type: str, vocab_size: int, eos_token_id: int, sliding_win
 
     if model_type not in _FIELDS:
         raise ValueError(f"unknown tiny model family {model_type!r}; families: {', '.join(FAMILIES)}")
-    if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
-        raise ValueError(f"positions must be an int >= 1, got {positions!r}")
+    check_positions(positions)
     s = {**SIZE, "positions": SIZE["positions"] if positions is None else positions}
     kind = _FIELDS[model_type]
     common = {"vocab_size": vocab_size, "eos_token_id": eos_token_id, "bos_token_id": None, "pad_token_id": eos_token_id}
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             p.error(str(e))
     try:
-        tiny_config(args.family, 1, 0, args.sliding_window, args.positions)  # bad values: a usage error, nothing built
+        check_positions(args.positions)  # a usage error before anything is built
     except ValueError as e:
         p.error(str(e))
     out = build_tiny(args.family, args.out_dir, args.tokenizer, args.seed, template, args.sliding_window,
