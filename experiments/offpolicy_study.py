@@ -1,26 +1,31 @@
-"""The off-policy study in miniature (seed 000): how a strict policy lag k hurts GRPO on single-turn math without
-masks, and what the default masks, TIS (token_clip_high), MIS (token mask windows) and kl_tau do at k = 16.
+"""The off-policy study in miniature (seed 000): how a strict policy lag k hurts GRPO without masks, and what the
+default masks, TIS (token_clip_high), MIS (token mask windows) and kl_tau do at k = 16; on single-turn math and on
+multi-turn search (``--task math|search``).
 
-Every run is a train.py run planned by a sweep file (one per command group, resumable, each reproducible alone):
+Every run is a train.py run planned by a sweep file (one per command group, resumable, each reproducible alone);
+TASK is math or search:
 
-    uv run sweep.py --config sweeps/offpolicy_math_calibration.yaml   # the premise: k = 16 without masks vs k = 0
-    uv run sweep.py --config sweeps/offpolicy_math_lag_nomask.yaml    # k in {0, 1, 4, 8, 16, 32, 64}, masks off
-    uv run sweep.py --config sweeps/offpolicy_math_defaults.yaml      # default masks: strict 1/8/16, in-flight 1/4
-    uv run sweep.py --config sweeps/offpolicy_math_k16_rescues.yaml   # TIS, MIS, kl_tau, MIS + kl_tau at k = 16
-    uv run sweep.py --config sweeps/offpolicy_math_kl_long_lag.yaml   # kl_tau 1e-3 / 1e-2 at k = 32 and 64
-    uv run python experiments/offpolicy_study.py [--groups ...]       # table and plot from the run directories
+    uv run sweep.py --config sweeps/offpolicy_TASK_calibration.yaml   # the premise: k = 16 without masks vs k = 0
+    uv run sweep.py --config sweeps/offpolicy_TASK_lag_nomask.yaml    # k in {0, 1, 4, 8, 16, 32, 64}, masks off
+    uv run sweep.py --config sweeps/offpolicy_TASK_defaults.yaml      # default masks: strict 1/8/16, in-flight 1/4
+    uv run sweep.py --config sweeps/offpolicy_TASK_k16_rescues.yaml   # TIS, MIS, kl_tau, MIS + kl_tau at k = 16
+    uv run sweep.py --config sweeps/offpolicy_TASK_kl_long_lag.yaml   # kl_tau 1e-3 / 1e-2 at k = 32 and 64
+    uv run python experiments/offpolicy_study.py --task TASK [--groups ...]   # table and plot from the run directories
 
-The task is experiments/math_learns.py's "rl" arm (arithmetic with small operands from builtin_env, 600 GRPO steps,
+Math is experiments/math_learns.py's "rl" arm (arithmetic with small operands from builtin_env, 600 GRPO steps,
 batch 32 x 8 generations, beta 0, fast backend) at lr 2e-4, twice its rate: the calibration group shows why (at
-1e-4 k = 16 without masks is not measurably worse than k = 0). Per run: greedy accuracy of the trained policy on
-N_EVAL held-out levels at every saved checkpoint (the policy itself, not the lagged batch), the batch reward and
-success of the logged steps (sampled by the behaviour policy, k steps older under strict lag), and the run means of
-the masked and clipped fractions, mean |log r| and mismatch-KL (prime-rl's k3 estimate of KL(behaviour || trainer)).
-Arms are mean ± standard error over seeds. A run that did not finish (e.g. stopped on a non-finite loss) is listed
-with its status and counted in no mean. Evaluations are cached in output/offpolicy_study/evals.json.
+1e-4 k = 16 without masks is not measurably worse than k = 0). Search is the search environment (3 turns: search,
+read, answer; 400 pages, top 3 results) from builtin_search, 150 steps of the same batch, at the rate its own
+calibration group chose. Per run: greedy success (math: accuracy) of the trained policy on N_EVAL held-out levels
+at every saved checkpoint (the policy itself, not the lagged batch; search's held-out levels ask about pages no
+training level asks about), the batch reward and success of the logged steps (sampled by the behaviour policy, k
+steps older under strict lag), and the run means of the masked and clipped fractions, mean |log r| and mismatch-KL
+(prime-rl's k3 estimate of KL(behaviour || trainer)). Arms are mean ± standard error over seeds. A run that did not
+finish (e.g. stopped on a non-finite loss) is listed with its status and counted in no mean. Evaluations are cached
+in the task's output directory (evals.json).
 
-Writes experiments/results/offpolicy_study.md (tables), offpolicy_study.json (per run: values, status, held-out
-curve, batch windows, run means) and offpolicy_study.png.
+Writes experiments/results/offpolicy_{study,search}.md (tables), .json (per run: values, status, held-out curve,
+batch windows, run means) and .png (math: offpolicy_study.*, search: offpolicy_search.*).
 """
 
 from __future__ import annotations
@@ -34,19 +39,51 @@ import argparse  # noqa: E402
 import importlib.util
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SWEEPS = ROOT / "sweeps"
-GROUPS = ("offpolicy_math_calibration", "offpolicy_math_lag_nomask", "offpolicy_math_defaults",
-          "offpolicy_math_k16_rescues", "offpolicy_math_kl_long_lag")  # fmt: skip
 RESULTS = ROOT / "experiments" / "results"
-EVALS = ROOT / "output" / "offpolicy_study" / "evals.json"
 N_EVAL = 400
-WINDOW = 100  # logged steps in (s - WINDOW, s] give the batch reward / success "at s"
+GROUP_KINDS = ("calibration", "lag_nomask", "defaults", "k16_rescues", "kl_long_lag")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of the study: its sweep groups (``offpolicy_{name}_{kind}``), run outputs and held-out evaluation."""
+
+    name: str
+    title: str  # the report's heading
+    env: str
+    env_params: dict
+    max_turns: int
+    max_new_tokens: int  # per turn, as in training (--max_completion_length)
+    window: int  # logged steps in (s - window, s] give the batch reward / success "at s"
+    out: str  # the sweeps' output_dir (evals.json is cached there)
+    results: str  # experiments/results/{results}.md, .json, .png
+    metric: str  # what the held-out success is called ("accuracy" for single answers)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        return tuple(f"offpolicy_{self.name}_{kind}" for kind in GROUP_KINDS)
+
+    @property
+    def evals(self) -> Path:
+        return ROOT / self.out / "evals.json"
+
+
+TASKS = {t.name: t for t in (
+    Task("math", "arithmetic, small operands, builtin_env", "arithmetic", {"max_operand": 4, "max_factor": 3}, 1, 16,
+         100, "output/offpolicy_study", "offpolicy_study", "accuracy"),
+    Task("search", "search, 3 turns, builtin_search", "search", {"k": 3, "n_pages": 400}, 3, 24, 50,
+         "output/offpolicy_search", "offpolicy_search", "success"),
+)}  # fmt: skip
+INVALID = {"arithmetic": "answers that are not an integer in the answer format",
+           "search": "turns whose action is not search, read (a known title) or answer"}  # fmt: skip
 BATCH = {"success": "env/success", "reward": "reward", "invalid": "env/invalid_frac"}  # logged, windowed at the end
-COLLAPSED = 0.5  # "ended invalid": at least this share of invalid answers over the last WINDOW logged steps
+COLLAPSED = 0.5  # "ended invalid": at least this share of invalid answers over the last window of logged steps
 RUN_MEANS = ("masked_frac", "token_clipped_frac", "abs_log_ratio_mean", "mismatch_kl")
 NO_MASK = {"token_mask_low": "0", "token_mask_high": "1e10", "sequence_mask_low": "0", "sequence_mask_high": "1e10",
            "geo_mask_low": "0", "geo_mask_high": "1e10", "sequence_clip_high": "1e10"}  # fmt: skip
@@ -87,7 +124,7 @@ def arm_of(values: dict[str, str]) -> str:
     return f"k={k} {mode}, {' + '.join([masks, *extra])}{lr}"
 
 
-def window_mean(logs: list[dict], key: str, end: int, width: int = WINDOW) -> float | None:
+def window_mean(logs: list[dict], key: str, end: int, width: int) -> float | None:
     """Mean of ``key`` over the log entries with step in (end - width, end]; None when there is none."""
     vals = [h[key] for h in logs if end - width < h["step"] <= end and key in h]
     return sum(vals) / len(vals) if vals else None
@@ -108,7 +145,7 @@ def cell(values: list[float | None]) -> str:
 
 
 def paired_deltas(runs: list[dict], reference: list[dict], step: int) -> list[float]:
-    """Held-out accuracy at ``step`` minus the reference arm's, paired by seed (seeds both arms have at that step)."""
+    """Held-out success at ``step`` minus the reference arm's, paired by seed (seeds both arms have at that step)."""
     ref = {r["values"]["seed"]: r["heldout"][step] for r in reference if step in r["heldout"]}
     return [r["heldout"][step] - ref[r["values"]["seed"]] for r in runs
             if step in r["heldout"] and r["values"]["seed"] in ref]  # fmt: skip
@@ -129,8 +166,21 @@ def planned(group: str):
     return plan_runs(build_spec(SweepArgs(config=str(SWEEPS / f"{group}.yaml"))))
 
 
-def run_record(run, evals: dict, n_eval: int) -> dict:
-    """Status, logs and held-out accuracy at each complete checkpoint of one planned run."""
+def heldout_success(task: Task, ckpt: Path, n_eval: int) -> float:
+    """Greedy success of a checkpoint on the first ``n_eval`` held-out levels (math: experiments/math_learns.py's
+    evaluation; otherwise ``trl_ext.sft.validate``, the SFT mode's held-out rollouts)."""
+    if task.env == "arithmetic":
+        return ml.evaluate(str(ckpt), task.env_params, n_eval, modes=("greedy",))["greedy"]
+    from trl_ext.models import load_model_and_tokenizer
+    from trl_ext.sft import validate
+
+    model, tok = load_model_and_tokenizer(str(ckpt))
+    return validate(model, tok, task.env, n_eval, task.max_turns, task.max_new_tokens,
+                    env_params=task.env_params)["success_rate"]  # fmt: skip
+
+
+def run_record(task: Task, run, evals: dict, n_eval: int) -> dict:
+    """Status, logs and held-out greedy success at each complete checkpoint of one planned run."""
     from trl_ext.runs.checkpoints import latest_complete
 
     run_dir = ROOT / run.run_dir if not Path(run.run_dir).is_absolute() else Path(run.run_dir)
@@ -141,23 +191,22 @@ def run_record(run, evals: dict, n_eval: int) -> dict:
     if last is None:
         return rec
     rec["logs"] = [h for h in json.loads((last / "trainer_state.json").read_text())["log_history"] if "reward" in h]
-    params = {"max_operand": 4, "max_factor": 3}
     for ckpt in ml.checkpoints(run_dir):
         if not (ckpt / "checkpoint_complete.json").is_file():
             continue
         key = f"{ckpt.relative_to(ROOT)}|{n_eval}"
         if key not in evals:
-            evals[key] = ml.evaluate(str(ckpt), params, n_eval, modes=("greedy",))["greedy"]
-            EVALS.write_text(json.dumps(evals, indent=1))
+            evals[key] = heldout_success(task, ckpt, n_eval)
+            task.evals.write_text(json.dumps(evals, indent=1))
         rec["heldout"][int(ckpt.name.split("-")[1])] = evals[key]
     return rec
 
 
-def run_summary(rec: dict, end: int) -> dict:
+def run_summary(rec: dict, end: int, width: int) -> dict:
     """What the JSON keeps of a run: its values, status, held-out curve, the batch windows at ``end`` and the run
     means (the per-step logs stay in the run directory's trainer_state.json)."""
     return {**{k: rec[k] for k in ("dir", "values", "status", "heldout")},
-            **{f"batch_{k}@{end}": window_mean(rec["logs"], key, end) for k, key in BATCH.items()},
+            **{f"batch_{k}@{end}": window_mean(rec["logs"], key, end, width) for k, key in BATCH.items()},
             **{k: run_mean(rec["logs"], f"offpolicy/{k}") for k in RUN_MEANS}}  # fmt: skip
 
 
@@ -174,9 +223,11 @@ def arm_rows(records: list[dict]) -> list[tuple[str, list[dict], list[dict]]]:
     return [(a, d, n) for a, (d, n) in arms.items()]
 
 
-def table(records: list[dict], marks: list[int], arms: dict[str, list[dict]]) -> list[str]:
-    """One group's rows; ``arms``: every arm's finished runs, for the paired difference to k = 0."""
-    head = (["arm", "runs"] + [f"held-out acc @{s}" for s in marks] + [f"Δ vs k=0 @{marks[-1]} (paired)"]
+def table(records: list[dict], marks: list[int], arms: dict[str, list[dict]], width: int, metric: str) -> list[str]:
+    """One group's rows; ``arms``: every arm's finished runs, for the paired difference to k = 0; batch values over
+    the last ``width`` logged steps."""
+    short = "acc" if metric == "accuracy" else metric
+    head = (["arm", "runs"] + [f"held-out {short} @{s}" for s in marks] + [f"Δ vs k=0 @{marks[-1]} (paired)"]
             + [f"batch {k} @{marks[-1]}" for k in BATCH] + ["ended invalid"]
             + ["masked tok", "clipped tok", "mean abs log r", "mismatch-KL"])  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -184,8 +235,8 @@ def table(records: list[dict], marks: list[int], arms: dict[str, list[dict]]) ->
         cells = [cell([r["heldout"].get(s) for r in done]) for s in marks]
         ref = arms.get(reference_arm(arm), [])
         cells.append("-" if arm.startswith("k=0") else ml.fmt(d) if (d := paired_deltas(done, ref, marks[-1])) else "-")
-        cells += [cell([window_mean(r["logs"], key, marks[-1]) for r in done]) for key in BATCH.values()]
-        invalid = [window_mean(r["logs"], BATCH["invalid"], marks[-1]) for r in done]
+        cells += [cell([window_mean(r["logs"], key, marks[-1], width) for r in done]) for key in BATCH.values()]
+        invalid = [window_mean(r["logs"], BATCH["invalid"], marks[-1], width) for r in done]
         cells.append(f"{sum(v is not None and v >= COLLAPSED for v in invalid)}/{len(done)}")
         cells += [cell([run_mean(r["logs"], f"offpolicy/{k}") for r in done]) for k in RUN_MEANS]
         runs = f"{len(done)}" + (f" (+{len(not_done)} {', '.join(sorted({r['status'] for r in not_done}))})"
@@ -195,7 +246,7 @@ def table(records: list[dict], marks: list[int], arms: dict[str, list[dict]]) ->
 
 
 def final_stats(done: list[dict], step: int) -> tuple[float, float] | None:
-    """Mean and SE (0 for one run) of the held-out accuracy at ``step`` over the runs that have it."""
+    """Mean and SE (0 for one run) of the held-out success at ``step`` over the runs that have it."""
     vals = [r["heldout"][step] for r in done if step in r["heldout"]]
     if not vals:
         return None
@@ -203,8 +254,8 @@ def final_stats(done: list[dict], step: int) -> tuple[float, float] | None:
     return m, 0.0 if len(vals) == 1 else se
 
 
-def plot(by_group: dict[str, list[dict]], marks: list[int], path: Path) -> None:
-    """Held-out accuracy at the last step: against k (no masks, default masks strict and in-flight), per rescue at
+def plot(task: Task, by_group: dict[str, list[dict]], marks: list[int], path: Path) -> None:
+    """Held-out success at the last step: against k (no masks, default masks strict and in-flight), per rescue at
     k = 16 and beyond, and against the learning rate in the calibration."""
     import matplotlib
 
@@ -223,7 +274,7 @@ def plot(by_group: dict[str, list[dict]], marks: list[int], path: Path) -> None:
                           capsize=3, label=label)  # fmt: skip
     ax_k.set_xscale("symlog", linthresh=1)
     ax_k.set_xlabel("policy lag k (max_async_level)")
-    ax_k.set_ylabel(f"held-out greedy accuracy @{end}")
+    ax_k.set_ylabel(f"held-out greedy {task.metric} @{end}")
     ax_k.legend(fontsize=8)
     rescues = [(a, st) for a, d in arms.items() if ("+" in a or "MIS" in a) and a[2:4] in ("16", "32", "64")
                and "lr" not in a and (st := final_stats(d, end))]  # fmt: skip
@@ -235,7 +286,7 @@ def plot(by_group: dict[str, list[dict]], marks: list[int], path: Path) -> None:
             if ref in arms and (st := final_stats(arms[ref], end)):
                 ax_r.axvline(st[0], color="k", linestyle=style, label=ref)
         ax_r.legend(fontsize=7)
-    ax_r.set_xlabel(f"held-out greedy accuracy @{end}")
+    ax_r.set_xlabel(f"held-out greedy {task.metric} @{end}")
     for label, prefix in (("k=0 sync", "k=0 sync, lr "), ("k=16 strict, no masks", "k=16 strict, no masks, lr ")):
         pts = sorted((float(a[len(prefix):]), st) for a, d in arms.items() if a.startswith(prefix)
                      and (st := final_stats(d, end)))  # fmt: skip
@@ -244,46 +295,55 @@ def plot(by_group: dict[str, list[dict]], marks: list[int], path: Path) -> None:
                            capsize=3, label=label)  # fmt: skip
     ax_lr.set_xscale("log")
     ax_lr.set_xlabel("learning rate (calibration)")
-    ax_lr.set_ylabel(f"held-out greedy accuracy @{end}")
+    ax_lr.set_ylabel(f"held-out greedy {task.metric} @{end}")
     ax_lr.legend(fontsize=8)
-    fig.suptitle("Off-policy study on arithmetic (builtin_env, mean ± SE over seeds)")
+    fig.suptitle(f"Off-policy study on {task.title} (mean ± SE over seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS))
+    p.add_argument("--task", choices=list(TASKS), default="math")
+    p.add_argument("--groups", nargs="+", choices=[g for t in TASKS.values() for g in t.groups],
+                   help="a subset of the task's groups (default: all)")  # fmt: skip
     p.add_argument("--n_eval", type=int, default=N_EVAL, help="held-out levels per evaluation")
     args = p.parse_args()
+    task = TASKS[args.task]
+    groups = args.groups or list(task.groups)
+    if not set(groups) <= set(task.groups):
+        p.error(f"--groups of --task {task.name} are {', '.join(task.groups)}")
     import torch
 
     torch.set_num_threads(1)
-    evals = json.loads(EVALS.read_text()) if EVALS.is_file() else {}
-    EVALS.parent.mkdir(parents=True, exist_ok=True)
-    by_group = {g: [run_record(run, evals, args.n_eval) for run in planned(g)] for g in args.groups}
-    steps = max((max(r["heldout"]) for rs in by_group.values() for r in rs if r["heldout"]), default=600)
+    evals = json.loads(task.evals.read_text()) if task.evals.is_file() else {}
+    task.evals.parent.mkdir(parents=True, exist_ok=True)
+    by_group = {g: [run_record(task, run, evals, args.n_eval) for run in planned(g)] for g in groups}
+    steps = max((max(r["heldout"]) for rs in by_group.values() for r in rs if r["heldout"]), default=0)
+    if not steps:
+        p.error(f"no finished checkpoint under {task.out} yet: run the sweeps first")
     marks = [steps // 3, 2 * steps // 3, steps]
-    lines = ["# Off-policy study in miniature (arithmetic, small operands, builtin_env, CPU)", "",
-             "Generated by `uv run python experiments/offpolicy_study.py`; numbers as measured, mean ± standard error "
-             f"over seeds. Held-out acc @s: greedy accuracy of the policy after s steps on {args.n_eval} held-out "
-             f"levels. Batch success / reward / invalid @{steps}: logged steps in ({steps - WINDOW}, {steps}], "
-             "sampled by the behaviour policy (k steps older under strict lag); invalid: the share of answers that are "
-             f"not an integer in the answer format (reward -1); ended invalid: runs with invalid >= {COLLAPSED} there. "
-             "Masked tok, clipped tok, mean abs log r and mismatch-KL: means over the run's logged steps ('-': k = 0 "
-             "runs TRL's own loss). Δ vs k=0: held-out accuracy minus that of k = 0 at the same learning rate and "
-             "seed, mean ± SE over the seeds.", ""]
+    short = "acc" if task.metric == "accuracy" else task.metric
+    lines = [f"# Off-policy study in miniature ({task.title}, CPU)", "",
+             f"Generated by `uv run python experiments/offpolicy_study.py --task {task.name}`; numbers as measured, "
+             f"mean ± standard error over seeds. Held-out {short} @s: greedy {task.metric} of the policy after s "
+             f"steps on {args.n_eval} held-out levels. Batch success / reward / invalid @{steps}: logged steps in "
+             f"({steps - task.window}, {steps}], sampled by the behaviour policy (k steps older under strict lag); "
+             f"invalid: the share of {INVALID[task.env]} (reward -1); ended invalid: runs with invalid >= "
+             f"{COLLAPSED} there. Masked tok, clipped tok, mean abs log r and mismatch-KL: means over the run's logged "
+             f"steps ('-': k = 0 runs TRL's own loss). Δ vs k=0: held-out {task.metric} minus that of k = 0 at the "
+             "same learning rate and seed, mean ± SE over the seeds.", ""]  # fmt: skip
     arms = {a: done for g in by_group.values() for a, done, _ in arm_rows(g)}
     for group, records in by_group.items():
         spec = (SWEEPS / f"{group}.yaml").read_text().split("needs:")[0].replace("description: >", "").split()
         lines += [f"## {group}", "", " ".join(spec), "", f"`uv run sweep.py --config sweeps/{group}.yaml`", ""]
-        lines += table(records, marks, arms) + [""]
+        lines += table(records, marks, arms, task.window, task.metric) + [""]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "offpolicy_study.md").write_text("\n".join(lines) + "\n![held-out accuracy per step, per group]"
-                                                "(offpolicy_study.png)\n")
-    (RESULTS / "offpolicy_study.json").write_text(json.dumps(
-        {g: [run_summary(r, steps) for r in records] for g, records in by_group.items()}, indent=1))
-    plot(by_group, marks, RESULTS / "offpolicy_study.png")
+    (RESULTS / f"{task.results}.md").write_text("\n".join(lines) + f"\n![held-out {task.metric} per step, per group]"
+                                                f"({task.results}.png)\n")
+    (RESULTS / f"{task.results}.json").write_text(json.dumps(
+        {g: [run_summary(r, steps, task.window) for r in records] for g, records in by_group.items()}, indent=1))
+    plot(task, by_group, marks, RESULTS / f"{task.results}.png")
     print("\n".join(lines))
 
 

@@ -3,6 +3,7 @@ model, no training); every shipped study sweep plans the arms the report expects
 
 import importlib.util
 import math
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 _PATH = Path(__file__).resolve().parents[1] / "experiments" / "offpolicy_study.py"
 _spec = importlib.util.spec_from_file_location("offpolicy_study", _PATH)
 study = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = study  # its dataclass looks its module up there
 _spec.loader.exec_module(study)
 
 
@@ -46,30 +48,37 @@ def test_cells():
 
 
 THREE_SEEDS = {"k=0 sync, lr 1e-4", "k=0 sync, lr 3e-4", "k=16 strict, no masks, lr 1e-4",
-               "k=16 strict, no masks, lr 3e-4"}  # fmt: skip  (the calibration's other rates; every study arm has 5)
+               "k=16 strict, no masks, lr 3e-4"}  # fmt: skip  (math: the calibration's other rates; other arms have 5)
 
 
-def test_study_sweeps_plan_the_seed_arms():
-    """Each command group plans the issue's arms, 5 seeds each (3 for THREE_SEEDS), validated by train.py's parser."""
-    expected = {
-        "offpolicy_math_calibration": [f"k=0 sync, lr {lr}" for lr in ("1e-4", "2e-4", "3e-4")]
-        + [f"k=16 strict, no masks, lr {lr}" for lr in ("1e-4", "2e-4", "3e-4")],
-        "offpolicy_math_lag_nomask": ["k=0 sync"] + [f"k={k} strict, no masks" for k in (1, 4, 8, 16, 32, 64)],
-        "offpolicy_math_defaults": [f"k={k} strict, default masks" for k in (1, 8, 16)]
+def study_arms(lrs: tuple[str, ...]) -> dict[str, list[str]]:
+    """The issue's arms per command group (the calibration at the learning rates ``lrs``), in plan order."""
+    return {
+        "calibration": [f"k=0 sync, lr {lr}" for lr in lrs] + [f"k=16 strict, no masks, lr {lr}" for lr in lrs],
+        "lag_nomask": ["k=0 sync"] + [f"k={k} strict, no masks" for k in (1, 4, 8, 16, 32, 64)],
+        "defaults": [f"k={k} strict, default masks" for k in (1, 8, 16)]
         + [f"k={k} in-flight, default masks" for k in (1, 4)],
-        "offpolicy_math_k16_rescues": [f"k=16 strict, no masks + TIS {c}" for c in (2, 4, 8)]
+        "k16_rescues": [f"k=16 strict, no masks + TIS {c}" for c in (2, 4, 8)]
         + [f"k=16 strict, MIS [{lo}, {hi}]" for lo, hi in (("0.125", 8), ("0.25", 4), ("0.5", 2))]
         + [f"k=16 strict, no masks + kl_tau {t}" for t in ("1e-4", "2e-3", "1e-2", "1e-1", "1")]
         + [f"k=16 strict, MIS [0.125, 8] + kl_tau {t}" for t in ("1e-4", "2e-3", "1e-2", "1e-1", "1")],
-        "offpolicy_math_kl_long_lag": [f"k={k} strict, no masks + kl_tau {t}" for k in (32, 64)
-                                       for t in ("1e-3", "1e-2")],
+        "kl_long_lag": [f"k={k} strict, no masks + kl_tau {t}" for k in (32, 64) for t in ("1e-3", "1e-2")],
     }
-    assert tuple(expected) == study.GROUPS
+
+
+@pytest.mark.parametrize(("task", "lrs", "seeds"), [("math", ("1e-4", "2e-4", "3e-4"), 5),
+                                                    ("search", ("3e-4", "5e-4", "1e-3"), 3)])  # fmt: skip
+def test_study_sweeps_plan_the_seed_arms(task, lrs, seeds):
+    """Each command group of each task plans the issue's arms, validated by train.py's parser: math 5 seeds per arm
+    (3 for THREE_SEEDS), search 3."""
+    expected = {f"offpolicy_{task}_{kind}": arms for kind, arms in study_arms(lrs).items()}
+    assert tuple(expected) == study.TASKS[task].groups
     for group, arms in expected.items():
         runs = study.planned(group)
         labels = Counter(study.arm_of({k: v for k, v in r.values.items() if k != "seed"}) for r in runs)
         assert list(labels) == arms, group
-        assert labels == {a: 3 if a in THREE_SEEDS else 5 for a in arms}, group
+        assert labels == {a: 3 if task == "math" and a in THREE_SEEDS else seeds for a in arms}, group
+        assert {str(Path(r.run_dir).parent) for r in runs} == {study.TASKS[task].out}, group  # where the report reads
 
 
 def test_paired_deltas_and_reference_arm():

@@ -4,8 +4,8 @@ script builds it the way TRL users build ``GRPOTrainer``::
     trainer = ExtGRPOTrainer(model="Qwen/Qwen3-0.6B", reward_funcs=[accuracy], args=ExtGRPOConfig(...),
                              train_dataset=dataset, rh_detector=my_detector)
 
-- ``model`` may be a builtin model name (``"builtin"``, ``"builtin_env"``, ``"builtin_mood"``: built on first use),
-  a local path or a hub id, as ``--model``;
+- ``model`` may be a builtin model name (``"builtin"``, ``"builtin_env"``, ``"builtin_search"``, ``"builtin_mood"``:
+  built on first use), a local path or a hub id, as ``--model``;
 - without ``processing_class`` the model's tokenizer is loaded and prepared as train.py prepares it (PAD = EOS,
   left padding: ``trl_ext.models.prepare_tokenizer``);
 - with a dual LoRA config in ``args`` (``lora_config`` / ``retain_rank`` / ``forget_rank`` / ``mlp_config``) and a

@@ -15,6 +15,7 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 from trl_ext.models.builtin_env import BUILTIN_ENV
+from trl_ext.models.builtin_search import BUILTIN_SEARCH
 from trl_ext.config import ExtGRPOConfig, RunArgs
 from trl_ext.data import load_run_data
 from trl_ext.models import BUILTIN_MODELS, STORY_MODELS, model_source, load_tokenizer, prepare_tokenizer, resolve_model_arg
@@ -141,8 +142,8 @@ def check_env_run(run: RunArgs, cfg: ExtGRPOConfig) -> None:
     if not cfg.env:
         if not run.reward:
             raise ConfigError("--reward is required (a reward binding name from --config), or --env")
-        if run.model == BUILTIN_ENV:
-            raise ConfigError(f"--model {BUILTIN_ENV} is the environments' model: use it with --env")
+        if run.model in (BUILTIN_ENV, BUILTIN_SEARCH):
+            raise ConfigError(f"--model {run.model} is an environments' model: use it with --env")
         return
     if run.reward or run.eval_reward_names:
         raise ConfigError("--env and --reward/--eval_rewards exclude each other: the environment gives the reward")
@@ -152,6 +153,9 @@ def check_env_run(run: RunArgs, cfg: ExtGRPOConfig) -> None:
     if run.model in STORY_MODELS:
         raise ConfigError(f"--env needs --model {BUILTIN_ENV} (or an instruct model): the {run.model} model's "
                           "tokenizer has no symbols for the environments' text (< > _ * # digits)")  # fmt: skip
+    if run.model == BUILTIN_SEARCH and set(cfg.env_names) != {"search"}:
+        raise ConfigError(f"--model {BUILTIN_SEARCH} was pretrained on search episodes only (its tokenizer lacks "
+                          f"the other environments' symbols): use it with --env search, or --model {BUILTIN_ENV}")
 
 
 def prompt_source(run: RunArgs) -> str:

@@ -45,7 +45,8 @@ class RunArgs:
         metadata={
             "help": "'builtin' (the embedded offline SimpleStories-shaped model, built on first use), its variants "
             "'builtin_mood' (stories titled 'A happy story.' carry that mood: context distillation) and "
-            "'builtin_env' (--env), a hub id such as SimpleStories/SimpleStories-1.25M, or a local path."
+            "'builtin_env' (--env), 'builtin_search' (--env search: pretrained on imperfect search episodes), a hub "
+            "id such as SimpleStories/SimpleStories-1.25M, or a local path."
         },
     )
     config: str = field(default="config.yaml", metadata={"help": "YAML file binding reward and detector names."})

@@ -1,8 +1,8 @@
 """Resolve ``--model`` and load a causal LM with its tokenizer prepared for GRPO generation.
 
-``--model builtin`` is the embedded offline model (``trl_ext.models.builtin``), ``builtin_env`` and
-``builtin_mood`` its variants for the environments and for context distillation; anything else is a
-local directory or a hub id loaded with ``from_pretrained`` (e.g. ``SimpleStories/SimpleStories-1.25M``:
+``--model builtin`` is the embedded offline model (``trl_ext.models.builtin``), ``builtin_env``, ``builtin_search``
+and ``builtin_mood`` its variants for the environments, for RL on search and for context distillation; anything else
+is a local directory or a hub id loaded with ``from_pretrained`` (e.g. ``SimpleStories/SimpleStories-1.25M``:
 no BOS, ``[EOS]`` = 1, no PAD, prompts tokenized with ``add_special_tokens=False``, generation until EOS).
 """
 
@@ -16,10 +16,14 @@ import torch
 from trl_ext.models.builtin import BUILTIN, ensure_builtin
 from trl_ext.models.builtin_env import BUILTIN_ENV, ensure_builtin_env
 from trl_ext.models.builtin_mood import BUILTIN_MOOD, ensure_builtin_mood
+from trl_ext.models.builtin_search import BUILTIN_SEARCH, ensure_builtin_search
 from trl_ext.registry import ConfigError
 
 # --model name -> the function that returns its built directory (building it on first use)
-BUILTIN_MODELS = {BUILTIN: ensure_builtin, BUILTIN_ENV: ensure_builtin_env, BUILTIN_MOOD: ensure_builtin_mood}
+BUILTIN_MODELS = {
+    BUILTIN: ensure_builtin, BUILTIN_ENV: ensure_builtin_env, BUILTIN_MOOD: ensure_builtin_mood,
+    BUILTIN_SEARCH: ensure_builtin_search,
+}  # fmt: skip
 STORY_MODELS = (BUILTIN, BUILTIN_MOOD)  # builtin models trained on the builtin stories (their prompts' source)
 
 

@@ -204,7 +204,7 @@ def _lr(step: int, steps: int) -> float:
     return PEAK_LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _pretrain(model, stream, starts, log, steps: int) -> list[float]:
+def _pretrain(model, stream, starts, log, steps: int, seq_len: int) -> list[float]:
     import torch
 
     gen = torch.Generator().manual_seed(TRAIN_SEED)
@@ -215,7 +215,7 @@ def _pretrain(model, stream, starts, log, steps: int) -> list[float]:
         for group in opt.param_groups:
             group["lr"] = _lr(step, steps)
         idx = starts[torch.randint(len(starts), (BATCH_SIZE,), generator=gen)]
-        batch = stream[idx[:, None] + torch.arange(SEQ_LEN)[None, :]]
+        batch = stream[idx[:, None] + torch.arange(seq_len)[None, :]]
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -290,28 +290,29 @@ def build_logger(label: str, t0: float):
     return log
 
 
-def pretrain_on(docs: list[str], tokenizer, log, steps: int = STEPS):
-    """The recipe's model pretrained on ``docs`` (each followed by [EOS]) for ``steps``: ``(model, tokenizer, info)``."""
+def pretrain_on(docs: list[str], tokenizer, log, steps: int = STEPS, seq_len: int = SEQ_LEN):
+    """The recipe's model pretrained on ``docs`` (each followed by [EOS]) for ``steps`` on windows of ``seq_len``
+    tokens: ``(model, tokenizer, info)``."""
     import torch
     from transformers import LlamaForCausalLM
 
     ids = tokenizer(docs, add_special_tokens=True)["input_ids"]  # each document ends with [EOS]
     lengths = torch.tensor([len(x) for x in ids])
-    stream = torch.tensor([t for x in ids for t in x] + [tokenizer.eos_token_id] * SEQ_LEN)
+    stream = torch.tensor([t for x in ids for t in x] + [tokenizer.eos_token_id] * seq_len)
     starts = torch.cumsum(lengths, 0) - lengths
     log(f"corpus {len(docs)} documents, {int(lengths.sum())} tokens, vocab {len(tokenizer)}")
     torch.manual_seed(TRAIN_SEED)
     model = LlamaForCausalLM(model_config(len(tokenizer)))
     model.generation_config.bos_token_id = None
     model.generation_config.eos_token_id = 1
-    losses = _pretrain(model, stream, starts, log, steps)
+    losses = _pretrain(model, stream, starts, log, steps, seq_len)
     info = {
         "corpus_stories": len(docs),
         "corpus_tokens": int(lengths.sum()),
         "vocab_size": len(tokenizer),
         "n_params": sum(p.numel() for p in model.parameters()),
         "steps": steps,
-        "tokens_seen": steps * BATCH_SIZE * SEQ_LEN,
+        "tokens_seen": steps * BATCH_SIZE * seq_len,
         "final_loss": sum(losses[-20:]) / len(losses[-20:]),
     }
     return model, tokenizer, info
