@@ -81,6 +81,20 @@ def test_study_sweeps_plan_the_seed_arms(task, lrs, seeds):
         assert {str(Path(r.run_dir).parent) for r in runs} == {study.TASKS[task].out}, group  # where the report reads
 
 
+@pytest.mark.parametrize("task", ["math", "search"])
+def test_heldout_evaluation_plays_the_trained_task(task):
+    """The report evaluates on the environment, parameters, turn limit and turn length the sweeps train with."""
+    from environments.base import parse_env_params
+    from trl_ext.sweep import SweepArgs
+    from trl_ext.sweep_plan import build_spec
+
+    t = study.TASKS[task]
+    for group in t.groups:
+        fixed = build_spec(SweepArgs(config=str(study.SWEEPS / f"{group}.yaml"))).fixed
+        assert fixed["env"] == t.env and parse_env_params(fixed["env_params"]) == t.env_params, group
+        assert int(fixed.get("max_turns", 1)) == t.max_turns and int(fixed["max_completion_length"]) == t.max_new_tokens
+
+
 def test_paired_deltas_and_reference_arm():
     run = lambda seed, acc: {"values": {"seed": seed}, "heldout": {600: acc}}  # noqa: E731
     arm = [run("0", 0.1), run("1", 0.3), run("2", 0.2)]
