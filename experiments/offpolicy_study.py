@@ -10,7 +10,7 @@ TASK is math or search:
     uv run sweep.py --config sweeps/offpolicy_TASK_defaults.yaml      # default masks: strict 1/8/16, in-flight 1/4
     uv run sweep.py --config sweeps/offpolicy_TASK_k16_rescues.yaml   # TIS, MIS, kl_tau, MIS + kl_tau at k = 16
     uv run sweep.py --config sweeps/offpolicy_TASK_kl_long_lag.yaml   # kl_tau 1e-3 / 1e-2 at k = 32 and 64
-    uv run python experiments/offpolicy_study.py --task TASK [--groups ...]   # table and plot from the run directories
+    uv run python experiments/offpolicy_study.py --task TASK   # table and plot from the run directories
 
 Math is experiments/math_learns.py's "rl" arm (arithmetic with small operands from builtin_env, 600 GRPO steps,
 batch 32 x 8 generations, beta 0, fast backend) at lr 2e-4, twice its rate: the calibration group shows why (at
@@ -22,7 +22,8 @@ training level asks about), the batch reward and success of the logged steps (sa
 steps older under strict lag), and the run means of the masked and clipped fractions, mean |log r| and mismatch-KL
 (prime-rl's k3 estimate of KL(behaviour || trainer)). Arms are mean ± standard error over seeds. A run that did not
 finish (e.g. stopped on a non-finite loss) is listed with its status and counted in no mean. Evaluations are cached
-in the task's output directory (evals.json).
+in the task's output directory (evals.json). A planned run whose directory is not on this machine is read from the
+previous report's JSON (``merge``), so a study can be continued on a new machine; ``--groups`` previews a subset.
 
 Writes experiments/results/offpolicy_{study,search}.md (tables), .json (per run: values, status, held-out curve,
 batch windows, run means) and .png (math: offpolicy_study.*, search: offpolicy_search.*).
@@ -77,7 +78,7 @@ class Task:
 TASKS = {t.name: t for t in (
     Task("math", "arithmetic, small operands, builtin_env", "arithmetic", {"max_operand": 4, "max_factor": 3}, 1, 16,
          100, "output/offpolicy_study", "offpolicy_study", "accuracy"),
-    Task("search", "search, 3 turns, builtin_search", "search", {"k": 3, "n_pages": 400}, 3, 24, 50,
+    Task("search", "search, 3 turns, builtin_search build 7693a12a", "search", {"k": 3, "n_pages": 400}, 3, 24, 50,
          "output/offpolicy_search", "offpolicy_search", "success"),
 )}  # fmt: skip
 INVALID = {"arithmetic": "answers that are not an integer in the answer format",
@@ -204,10 +205,34 @@ def run_record(task: Task, run, evals: dict, n_eval: int) -> dict:
 
 def run_summary(rec: dict, end: int, width: int) -> dict:
     """What the JSON keeps of a run: its values, status, held-out curve, the batch windows at ``end`` and the run
-    means (the per-step logs stay in the run directory's trainer_state.json)."""
+    means (the per-step logs stay in the run directory's trainer_state.json). The report's tables read these."""
     return {**{k: rec[k] for k in ("dir", "values", "status", "heldout")},
             **{f"batch_{k}@{end}": window_mean(rec["logs"], key, end, width) for k, key in BATCH.items()},
             **{k: run_mean(rec["logs"], f"offpolicy/{k}") for k in RUN_MEANS}}  # fmt: skip
+
+
+def archived(path: Path) -> dict[tuple[str, str], dict]:
+    """The per-run summaries of an earlier report (its results JSON) by (group, run directory name): a directory
+    can be planned by two groups under different sweep values. Held-out steps are integers again; empty when there
+    is no such file."""
+    if not path.is_file():
+        return {}
+    return {(g, r["dir"]): {**r, "heldout": {int(s): v for s, v in r["heldout"].items()}}
+            for g, records in json.loads(path.read_text()).items() for r in records}  # fmt: skip
+
+
+def merge(rec: dict, summary: dict, old: dict | None, end: int) -> dict:
+    """A run's summary for the report: the run directory's when it holds a complete checkpoint, else the archived
+    one ``old`` of the same group and directory (the run directories of earlier machines are gone; their summaries
+    were computed by this script), marked ``from_archive``. An archived run whose sweep values differ from the plan's, or that was
+    summarised at another step, is an error, not a silent substitute."""
+    if rec["heldout"] or old is None:
+        return summary
+    if old["values"] != rec["values"]:
+        raise SystemExit(f"archived run {rec['dir']} has values {old['values']}, the plan {rec['values']}")
+    if old["status"] == "done" and f"batch_success@{end}" not in old:
+        raise SystemExit(f"archived run {rec['dir']} was summarised at another step than {end}")
+    return {**old, "from_archive": True}
 
 
 # --- report ---------------------------------------------------------------------------------------------------------
@@ -223,9 +248,9 @@ def arm_rows(records: list[dict]) -> list[tuple[str, list[dict], list[dict]]]:
     return [(a, d, n) for a, (d, n) in arms.items()]
 
 
-def table(records: list[dict], marks: list[int], arms: dict[str, list[dict]], width: int, metric: str) -> list[str]:
-    """One group's rows; ``arms``: every arm's finished runs, for the paired difference to k = 0; batch values over
-    the last ``width`` logged steps."""
+def table(records: list[dict], marks: list[int], arms: dict[str, list[dict]], metric: str) -> list[str]:
+    """One group's rows from the runs' summaries (``run_summary``, batch windows at ``marks[-1]``); ``arms``: every
+    arm's finished runs, for the paired difference to k = 0."""
     short = "acc" if metric == "accuracy" else metric
     head = (["arm", "runs"] + [f"held-out {short} @{s}" for s in marks] + [f"Δ vs k=0 @{marks[-1]} (paired)"]
             + [f"batch {k} @{marks[-1]}" for k in BATCH] + ["ended invalid"]
@@ -235,10 +260,10 @@ def table(records: list[dict], marks: list[int], arms: dict[str, list[dict]], wi
         cells = [cell([r["heldout"].get(s) for r in done]) for s in marks]
         ref = arms.get(reference_arm(arm), [])
         cells.append("-" if arm.startswith("k=0") else ml.fmt(d) if (d := paired_deltas(done, ref, marks[-1])) else "-")
-        cells += [cell([window_mean(r["logs"], key, marks[-1], width) for r in done]) for key in BATCH.values()]
-        invalid = [window_mean(r["logs"], BATCH["invalid"], marks[-1], width) for r in done]
+        cells += [cell([r[f"batch_{k}@{marks[-1]}"] for r in done]) for k in BATCH]
+        invalid = [r[f"batch_invalid@{marks[-1]}"] for r in done]
         cells.append(f"{sum(v is not None and v >= COLLAPSED for v in invalid)}/{len(done)}")
-        cells += [cell([run_mean(r["logs"], f"offpolicy/{k}") for r in done]) for k in RUN_MEANS]
+        cells += [cell([r[k] for r in done]) for k in RUN_MEANS]
         runs = f"{len(done)}" + (f" (+{len(not_done)} {', '.join(sorted({r['status'] for r in not_done}))})"
                                  if not_done else "")  # fmt: skip
         lines.append(f"| {arm} | {runs} | " + " | ".join(cells) + " |")
@@ -306,7 +331,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", choices=list(TASKS), default="math")
     p.add_argument("--groups", nargs="+", choices=[g for t in TASKS.values() for g in t.groups],
-                   help="a subset of the task's groups (default: all)")  # fmt: skip
+                   help="print a subset of the task's groups and write nothing (default: all, written)")  # fmt: skip
     p.add_argument("--n_eval", type=int, default=N_EVAL, help="held-out levels per evaluation")
     args = p.parse_args()
     task = TASKS[args.task]
@@ -318,10 +343,15 @@ def main() -> None:
     torch.set_num_threads(1)
     evals = json.loads(task.evals.read_text()) if task.evals.is_file() else {}
     task.evals.parent.mkdir(parents=True, exist_ok=True)
-    by_group = {g: [run_record(task, run, evals, args.n_eval) for run in planned(g)] for g in groups}
-    steps = max((max(r["heldout"]) for rs in by_group.values() for r in rs if r["heldout"]), default=0)
+    records = {g: [run_record(task, run, evals, args.n_eval) for run in planned(g)] for g in groups}
+    archive = archived(RESULTS / f"{task.results}.json")
+    steps = max((max(r["heldout"]) for rs in records.values() for r in rs if r["heldout"]), default=0)
+    steps = max([steps] + [max(r["heldout"]) for r in archive.values() if r["heldout"]])
     if not steps:
-        p.error(f"no finished checkpoint under {task.out} yet: run the sweeps first")
+        p.error(f"no finished checkpoint under {task.out} yet, and none archived: run the sweeps first")
+    by_group = {g: [merge(r, run_summary(r, steps, task.window), archive.get((g, r["dir"])), steps) for r in rs]
+                for g, rs in records.items()}  # fmt: skip
+    n_archived = sum(r.get("from_archive", False) for rs in by_group.values() for r in rs)
     marks = [steps // 3, 2 * steps // 3, steps]
     short = "acc" if task.metric == "accuracy" else task.metric
     lines = [f"# Off-policy study in miniature ({task.title}, CPU)", "",
@@ -332,19 +362,24 @@ def main() -> None:
              f"invalid: the share of {INVALID[task.env]} (reward -1); ended invalid: runs with invalid >= "
              f"{COLLAPSED} there. Masked tok, clipped tok, mean abs log r and mismatch-KL: means over the run's logged "
              f"steps ('-': k = 0 runs TRL's own loss). Δ vs k=0: held-out {task.metric} minus that of k = 0 at the "
-             "same learning rate and seed, mean ± SE over the seeds.", ""]  # fmt: skip
+             "same learning rate and seed, mean ± SE over the seeds.", "",
+             f"{n_archived} of {sum(map(len, by_group.values()))} runs are read from the previous report's "
+             f"experiments/results/{task.results}.json (their run directories were on an earlier machine); the "
+             "others from their run directories under " + task.out + ".", ""]  # fmt: skip
     arms = {a: done for g in by_group.values() for a, done, _ in arm_rows(g)}
-    for group, records in by_group.items():
+    for group, summaries in by_group.items():
         spec = (SWEEPS / f"{group}.yaml").read_text().split("needs:")[0].replace("description: >", "").split()
         lines += [f"## {group}", "", " ".join(spec), "", f"`uv run sweep.py --config sweeps/{group}.yaml`", ""]
-        lines += table(records, marks, arms, task.window, task.metric) + [""]
+        lines += table(summaries, marks, arms, task.metric) + [""]
+    print("\n".join(lines))
+    if args.groups:
+        return  # a preview: the results files always hold every group
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{task.results}.md").write_text("\n".join(lines) + f"\n![held-out {task.metric} per step, per group]"
                                                 f"({task.results}.png)\n")
-    (RESULTS / f"{task.results}.json").write_text(json.dumps(
-        {g: [run_summary(r, steps, task.window) for r in records] for g, records in by_group.items()}, indent=1))
+    kept = {g: [{k: v for k, v in r.items() if k != "from_archive"} for r in rs] for g, rs in by_group.items()}
+    (RESULTS / f"{task.results}.json").write_text(json.dumps(kept, indent=1))
     plot(task, by_group, marks, RESULTS / f"{task.results}.png")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -103,3 +103,79 @@ def test_paired_deltas_and_reference_arm():
     assert study.paired_deltas(arm, [], 600) == []
     assert study.reference_arm("k=16 strict, no masks, lr 3e-4") == "k=0 sync, lr 3e-4"
     assert study.reference_arm("k=16 strict, no masks + TIS 2") == "k=0 sync"
+
+
+def test_archived_runs_stand_in_for_missing_run_directories(tmp_path):
+    """A run whose directory is not on this machine is read from the previous report's JSON, per (group, directory):
+    one directory planned by two groups keeps each group's values; a run directory with checkpoints wins; an archived
+    run whose values differ from the plan, or summarised at another step, is refused."""
+    import json
+
+    summary = lambda seed, acc, **kw: {"dir": "d" + seed, "values": {"max_async_level": "0", "seed": seed, **kw},  # noqa: E731
+                                       "status": "done", "heldout": {"50": acc, "150": acc},
+                                       "batch_success@150": acc, "batch_reward@150": acc, "batch_invalid@150": 0.0}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"calibration": [summary("0", 0.1, learning_rate="5e-4")], "lag": [summary("0", 0.2)]}))
+    archive = study.archived(path)
+    assert set(archive) == {("calibration", "d0"), ("lag", "d0")}
+    assert archive[("lag", "d0")]["heldout"] == {50: 0.2, 150: 0.2}  # steps are integers again
+    assert study.archived(tmp_path / "none.json") == {}
+
+    missing = {"dir": "d0", "values": {"max_async_level": "0", "seed": "0"}, "status": "not finished", "logs": [],
+               "heldout": {}}
+    fresh = study.run_summary(missing, 150, 50)
+    merged = study.merge(missing, fresh, archive[("lag", "d0")], 150)
+    assert merged["from_archive"] and merged["heldout"] == {50: 0.2, 150: 0.2} and merged["status"] == "done"
+    assert study.merge(missing, fresh, None, 150) is fresh  # nothing archived: the run stays unfinished
+
+    on_disk = {**missing, "status": "done", "heldout": {50: 0.3}, "logs": [{"step": 150, "env/success": 0.5}]}
+    mine = study.run_summary(on_disk, 150, 50)
+    assert study.merge(on_disk, mine, archive[("lag", "d0")], 150) is mine
+    assert mine["batch_success@150"] == 0.5
+
+    with pytest.raises(SystemExit, match="has values"):
+        study.merge(missing, fresh, archive[("calibration", "d0")], 150)
+    with pytest.raises(SystemExit, match="another step"):
+        study.merge(missing, fresh, archive[("lag", "d0")], 600)
+
+
+def test_table_reads_run_summaries():
+    """The group table's cells come from the runs' summaries: held-out marks, the paired Δ, batch windows, the count
+    of runs that ended invalid, the run means; unfinished runs are counted beside the finished ones."""
+    def run(k, seed, acc, invalid, masked=None):
+        return {"dir": f"k{k}s{seed}", "values": {"max_async_level": k, "strict_async_level": "true", **study.NO_MASK,
+                                                  "seed": seed} if k != "0" else {"max_async_level": "0", "seed": seed},
+                "status": "done", "heldout": {150: acc}, "batch_success@150": acc, "batch_reward@150": acc,
+                "batch_invalid@150": invalid, "masked_frac": masked, "token_clipped_frac": masked,
+                "abs_log_ratio_mean": masked, "mismatch_kl": masked}
+
+    k0 = [run("0", "0", 0.2, 0.0), run("0", "1", 0.4, 0.0)]
+    k16 = [run("16", "0", 0.0, 0.75, 0.0), run("16", "1", 0.2, 0.25, 0.0),
+           {**run("16", "2", 0.0, 0.0), "status": "not finished", "heldout": {}}]
+    arms = {"k=0 sync": k0, "k=16 strict, no masks": k16[:2]}
+    lines = study.table(k0 + k16, [150], arms, "success")
+    assert lines[2].startswith("| k=0 sync | 2 | 0.300 ± 0.100 | - | 0.300 ± 0.100 |")
+    row = lines[3].split(" | ")
+    assert row[0:3] == ["| k=16 strict, no masks", "2 (+1 not finished)", "0.100 ± 0.100"]
+    assert row[3] == "-0.200 ± 0.000"  # paired by seed: 0.0 - 0.2, 0.2 - 0.4
+    assert row[4:7] == ["0.100 ± 0.100", "0.100 ± 0.100", "0.500 ± 0.250"]
+    assert row[7] == "1/2"  # invalid >= 0.5 in one run
+    assert row[8] == "0.000 ± 0.000"
+
+
+def test_search_study_pins_its_committed_starting_model():
+    """Every search sweep trains from one committed builtin_search build (a rebuild on another machine differs), and
+    the directory's name, its build_info.json and its weights agree on the hash."""
+    import hashlib
+    import json
+
+    from trl_ext.sweep import SweepArgs
+    from trl_ext.sweep_plan import build_spec
+
+    models = {build_spec(SweepArgs(config=str(study.SWEEPS / f"{g}.yaml"))).fixed["model"]
+              for g in study.TASKS["search"].groups}  # fmt: skip
+    assert len(models) == 1
+    path = study.ROOT / models.pop()
+    weights = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    assert json.loads((path / "build_info.json").read_text())["weights_sha256"] == weights
+    assert path.name == f"builtin_search-{weights[:8]}"
