@@ -12,18 +12,18 @@ TASK is math or search:
     uv run sweep.py --config sweeps/offpolicy_TASK_kl_long_lag.yaml   # kl_tau 1e-3 / 1e-2 at k = 32 and 64
     uv run python experiments/offpolicy_study.py --task TASK   # table and plot from the run directories
 
-Math is experiments/math_learns.py's "rl" arm (arithmetic with small operands from builtin_env, 600 GRPO steps,
-batch 32 x 8 generations, beta 0, fast backend) at lr 2e-4, twice its rate: the calibration group shows why (at
-1e-4 k = 16 without masks is not measurably worse than k = 0). Search is the search environment (3 turns: search,
-read, answer; 400 pages, top 3 results) from builtin_search, 150 steps of the same batch, at the rate its own
-calibration group chose. Per run: greedy success (math: accuracy) of the trained policy on N_EVAL held-out levels
-at every saved checkpoint (the policy itself, not the lagged batch; search's held-out levels ask about pages no
-training level asks about), the batch reward and success of the logged steps (sampled by the behaviour policy, k
-steps older under strict lag), and the run means of the masked and clipped fractions, mean |log r| and mismatch-KL
-(prime-rl's k3 estimate of KL(behaviour || trainer)). Arms are mean ± standard error over seeds. A run that did not
-finish (e.g. stopped on a non-finite loss) is listed with its status and counted in no mean. Evaluations are cached
-in the task's output directory (evals.json). A planned run whose directory is not on this machine is read from the
-previous report's JSON (``merge``), so a study can be continued on a new machine; ``--groups`` previews a subset.
+Math is experiments/math_learns.py's "rl" arm (arithmetic with small operands from builtin_env, 600 GRPO steps, batch 32
+x 8 generations, beta 0, fast backend) at lr 2e-4, twice its rate: the calibration group shows why (at 1e-4 k = 16
+without masks is not measurably worse than k = 0). Search is the search environment (3 turns: search, read, answer; 400
+pages, top 3 results) from a pinned builtin_search build (experiments/models/), 150 steps of the same batch, at the rate
+its own calibration group chose. Per run: greedy success (math: accuracy) of the trained policy on N_EVAL held-out
+levels at every saved checkpoint (the policy itself, not the lagged batch; search's held-out levels ask about pages no
+training level asks about), the batch reward and success of the logged steps (sampled by the behaviour policy, k steps
+older under strict lag), and the run means of the masked and clipped fractions, mean |log r| and mismatch-KL (prime-rl's
+k3 estimate of KL(behaviour || trainer)). Arms are mean ± standard error over seeds. A run that did not finish (e.g.
+stopped on a non-finite loss) is listed with its status and counted in no mean. Evaluations are cached in the task's
+output directory (evals.json). A planned run whose directory is not on this machine is read from the previous report's
+JSON (``merge``), so a study can be continued on a new machine; ``--groups`` previews a subset.
 
 Writes experiments/results/offpolicy_{study,search}.md (tables), .json (per run: values, status, held-out curve,
 batch windows, run means) and .png (math: offpolicy_study.*, search: offpolicy_search.*).
@@ -224,10 +224,10 @@ def archived(path: Path) -> dict[tuple[str, str], dict]:
 def merge(rec: dict, summary: dict, old: dict | None, end: int) -> dict:
     """A run's summary for the report: the run directory's when it holds a complete checkpoint, else the archived
     one ``old`` of the same group and directory (the run directories of earlier machines are gone; their summaries
-    were computed by this script), marked ``from_archive``. An archived run whose sweep values differ from the plan's, or that was
-    summarised at another step, is an error, not a silent substitute."""
-    if rec["heldout"] or old is None:
-        return summary
+    were computed by this script), marked ``from_archive``. An archived run whose sweep values differ from the
+    plan's, or that was summarised at another step, is an error, not a silent substitute."""
+    if rec["heldout"] or old is None or not old["heldout"]:
+        return summary  # an archived run that had no checkpoint either adds nothing
     if old["values"] != rec["values"]:
         raise SystemExit(f"archived run {rec['dir']} has values {old['values']}, the plan {rec['values']}")
     if old["status"] == "done" and f"batch_success@{end}" not in old:
@@ -259,7 +259,7 @@ def table(records: list[dict], marks: list[int], arms: dict[str, list[dict]], me
     for arm, done, not_done in arm_rows(records):
         cells = [cell([r["heldout"].get(s) for r in done]) for s in marks]
         ref = arms.get(reference_arm(arm), [])
-        cells.append("-" if arm.startswith("k=0") else ml.fmt(d) if (d := paired_deltas(done, ref, marks[-1])) else "-")
+        cells.append("-" if arm.startswith("k=0") else cell(paired_deltas(done, ref, marks[-1])))
         cells += [cell([r[f"batch_{k}@{marks[-1]}"] for r in done]) for k in BATCH]
         invalid = [r[f"batch_invalid@{marks[-1]}"] for r in done]
         cells.append(f"{sum(v is not None and v >= COLLAPSED for v in invalid)}/{len(done)}")

@@ -111,9 +111,11 @@ def test_archived_runs_stand_in_for_missing_run_directories(tmp_path):
     run whose values differ from the plan, or summarised at another step, is refused."""
     import json
 
-    summary = lambda seed, acc, **kw: {"dir": "d" + seed, "values": {"max_async_level": "0", "seed": seed, **kw},  # noqa: E731
-                                       "status": "done", "heldout": {"50": acc, "150": acc},
-                                       "batch_success@150": acc, "batch_reward@150": acc, "batch_invalid@150": 0.0}
+    def summary(seed, acc, **kw):
+        return {"dir": "d" + seed, "values": {"max_async_level": "0", "seed": seed, **kw}, "status": "done",
+                "heldout": {"50": acc, "150": acc}, "batch_success@150": acc, "batch_reward@150": acc,
+                "batch_invalid@150": 0.0}
+
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"calibration": [summary("0", 0.1, learning_rate="5e-4")], "lag": [summary("0", 0.2)]}))
     archive = study.archived(path)
@@ -127,6 +129,7 @@ def test_archived_runs_stand_in_for_missing_run_directories(tmp_path):
     merged = study.merge(missing, fresh, archive[("lag", "d0")], 150)
     assert merged["from_archive"] and merged["heldout"] == {50: 0.2, 150: 0.2} and merged["status"] == "done"
     assert study.merge(missing, fresh, None, 150) is fresh  # nothing archived: the run stays unfinished
+    assert study.merge(missing, fresh, {**missing, "status": "not finished"}, 150) is fresh  # nor unfinished
 
     on_disk = {**missing, "status": "done", "heldout": {50: 0.3}, "logs": [{"step": 150, "env/success": 0.5}]}
     mine = study.run_summary(on_disk, 150, 50)
@@ -161,6 +164,8 @@ def test_table_reads_run_summaries():
     assert row[4:7] == ["0.100 ± 0.100", "0.100 ± 0.100", "0.500 ± 0.250"]
     assert row[7] == "1/2"  # invalid >= 0.5 in one run
     assert row[8] == "0.000 ± 0.000"
+    one = study.table(k0 + k16[:1], [150], arms, "success")[3].split(" | ")
+    assert one[1:4] == ["1", "0.000", "-0.200"]  # one seed: its values, no standard error
 
 
 def test_search_study_pins_its_committed_starting_model():
