@@ -230,7 +230,7 @@ def merge(rec: dict, summary: dict, old: dict | None, end: int) -> dict:
         return summary  # an archived run that had no checkpoint either adds nothing
     if old["values"] != rec["values"]:
         raise SystemExit(f"archived run {rec['dir']} has values {old['values']}, the plan {rec['values']}")
-    if old["status"] == "done" and f"batch_success@{end}" not in old:
+    if f"batch_success@{end}" not in old:
         raise SystemExit(f"archived run {rec['dir']} was summarised at another step than {end}")
     return {**old, "from_archive": True}
 

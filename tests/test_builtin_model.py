@@ -172,12 +172,13 @@ def test_save_build_records_the_weights_hash(tmp_path):
     """Builds differ across machines, so build_info.json names the weights it describes by their SHA-256."""
     import hashlib
 
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
-    tok = PreTrainedTokenizerFast(tokenizer_object=__import__("tokenizers").Tokenizer(
-        __import__("tokenizers").models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")))  # fmt: skip
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
     info = builtin_model.save_build(tmp_path, model, tok, {"final_loss": 0.5}, time.time(), lambda _: None)
     weights = hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
     assert info["weights_sha256"] == weights and info["torch"] == torch.__version__
