@@ -25,7 +25,8 @@ stopped on a non-finite loss) is listed with its status and counted in no mean. 
 output directory (evals.json). A planned run whose directory is not on this machine is read from the previous report's
 JSON (``merge``), so a study can be continued on a new machine; ``--groups`` previews a subset.
 
-Writes experiments/results/offpolicy_{study,search}.md (tables), .json (per run: values, status, held-out curve,
+Writes experiments/results/offpolicy_{study,search}.md (tables, and the lag trend: the least-squares slope of
+success per doubling of k + 1 over the lag group's runs), .json (per run: values, status, held-out curve,
 batch windows, run means) and .png (math: offpolicy_study.*, search: offpolicy_search.*).
 """
 
@@ -39,6 +40,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import argparse  # noqa: E402
 import importlib.util
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +152,29 @@ def paired_deltas(runs: list[dict], reference: list[dict], step: int) -> list[fl
     ref = {r["values"]["seed"]: r["heldout"][step] for r in reference if step in r["heldout"]}
     return [r["heldout"][step] - ref[r["values"]["seed"]] for r in runs
             if step in r["heldout"] and r["values"]["seed"] in ref]  # fmt: skip
+
+
+def ols_slope(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares slope of ys on xs and its standard error, sqrt(SSE / (n - 2) / Sxx) (any regression text, e.g.
+    Wasserman, All of Statistics, 13.1); needs 3 or more points and two distinct xs."""
+    n = len(xs)
+    if n < 3 or len(set(xs)) < 2:
+        raise ValueError(f"a slope with a standard error needs >= 3 points at >= 2 distinct x, got {n}")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    sse = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys))
+    return slope, (sse / (n - 2) / sxx) ** 0.5
+
+
+def lag_trend(arms: dict[str, list[dict]], key) -> tuple[float, float, int] | None:
+    """Slope of ``key(run)`` per doubling of k + 1 (x = log2(k + 1)) over the finished runs of k = 0 and strict k
+    without masks (the main learning rate), its SE and the number of runs; None below 3 runs or 2 lags."""
+    pts = [(math.log2(int(a.split()[0][2:]) + 1), v) for a, done in arms.items()
+           if a == "k=0 sync" or a.endswith(" strict, no masks") for r in done if (v := key(r)) is not None]  # fmt: skip
+    if len(pts) < 3 or len({x for x, _ in pts}) < 2:
+        return None
+    return (*ols_slope([x for x, _ in pts], [y for _, y in pts]), len(pts))
 
 
 def reference_arm(arm: str) -> str:
@@ -371,6 +396,12 @@ def main() -> None:
         spec = (SWEEPS / f"{group}.yaml").read_text().split("needs:")[0].replace("description: >", "").split()
         lines += [f"## {group}", "", " ".join(spec), "", f"`uv run sweep.py --config sweeps/{group}.yaml`", ""]
         lines += table(summaries, marks, arms, task.metric) + [""]
+    trends = [(f"held-out {task.metric} @{steps}", lag_trend(arms, lambda r: r["heldout"].get(steps))),
+              (f"batch success @{steps}", lag_trend(arms, lambda r: r[f"batch_success@{steps}"]))]
+    if any(t for _, t in trends):
+        lines += ["## Lag trend", "", "Least-squares slope per doubling of k + 1 (x = log2(k + 1)) over every finished "
+                  "run of k = 0 and of strict k without masks (the lag group), with its standard error:", ""]
+        lines += [f"- {name}: {t[0]:+.4f} ± {t[1]:.4f} per doubling ({t[2]} runs)" for name, t in trends if t] + [""]
     print("\n".join(lines))
     if args.groups:
         return  # a preview: the results files always hold every group

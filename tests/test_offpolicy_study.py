@@ -105,6 +105,31 @@ def test_paired_deltas_and_reference_arm():
     assert study.reference_arm("k=16 strict, no masks + TIS 2") == "k=0 sync"
 
 
+def test_ols_slope_by_hand():
+    # xs 0, 1, 2; ys 0, 1, 3: Sxx = 2, Sxy = 3, slope 1.5; residuals 1/6, -1/3, 1/6, SSE = 1/6; SE = sqrt(1/6 / 1 / 2).
+    slope, se = study.ols_slope([0, 1, 2], [0, 1, 3])
+    assert slope == pytest.approx(1.5) and se == pytest.approx(math.sqrt(1 / 12))
+    assert study.ols_slope([0, 1, 2, 3], [5, 3, 1, -1]) == pytest.approx((-2.0, 0.0))  # on a line: SE 0
+    for xs, ys in (([0, 1], [0, 1]), ([1, 1, 1], [0, 1, 2])):
+        with pytest.raises(ValueError, match="needs >= 3 points"):
+            study.ols_slope(xs, ys)
+
+
+def test_lag_trend_reads_k0_and_strict_no_mask_runs_only():
+    def runs(*vals):
+        return [{"heldout": {150: v}} for v in vals]
+
+    arms = {"k=0 sync": runs(0.6, 0.4), "k=1 strict, no masks": runs(0.5), "k=3 strict, no masks": runs(0.3, None),
+            "k=3 strict, default masks": runs(9.0), "k=3 strict, no masks, lr 1e-3": runs(9.0),
+            "k=3 strict, no masks + TIS 2": runs(9.0)}  # fmt: skip
+    # x = log2(k + 1): 0, 0, 1, 2 against 0.6, 0.4, 0.5, 0.3: mean x 0.75, mean y 0.45, Sxx 2.75, Sxy -0.25.
+    slope, se, n = study.lag_trend(arms, lambda r: r["heldout"].get(150))
+    assert n == 4 and slope == pytest.approx(-0.25 / 2.75)
+    resid = [y - 0.45 - slope * (x - 0.75) for x, y in ((0, 0.6), (0, 0.4), (1, 0.5), (2, 0.3))]
+    assert se == pytest.approx(math.sqrt(sum(e * e for e in resid) / 2 / 2.75))
+    assert study.lag_trend({"k=0 sync": runs(0.6, 0.4, 0.5)}, lambda r: r["heldout"][150]) is None  # one lag
+
+
 def test_archived_runs_stand_in_for_missing_run_directories(tmp_path):
     """A run whose directory is not on this machine is read from the previous report's JSON, per (group, directory):
     one directory planned by two groups keeps each group's values; a run directory with checkpoints wins; an archived
