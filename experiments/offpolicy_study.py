@@ -400,7 +400,8 @@ def main() -> None:
               (f"batch success @{steps}", lag_trend(arms, lambda r: r[f"batch_success@{steps}"]))]
     if any(t for _, t in trends):
         lines += ["## Lag trend", "", "Least-squares slope per doubling of k + 1 (x = log2(k + 1)) over every finished "
-                  "run of k = 0 and of strict k without masks (the lag group), with its standard error:", ""]
+                  "run of k = 0 and of strict k without masks (the lag group), with its standard error (runs taken as "
+                  "independent):", ""]
         lines += [f"- {name}: {t[0]:+.4f} ± {t[1]:.4f} per doubling ({t[2]} runs)" for name, t in trends if t] + [""]
     print("\n".join(lines))
     if args.groups:
