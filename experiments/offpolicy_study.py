@@ -170,8 +170,9 @@ def ols_slope(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def lag_trend(arms: dict[str, list[dict]], key) -> tuple[float, float, int] | None:
     """Slope of ``key(run)`` per doubling of k + 1 (x = log2(k + 1)) over the finished runs of k = 0 and strict k
     without masks (the main learning rate), its SE and the number of runs; None below 3 runs or 2 lags."""
-    pts = [(math.log2(int(a.split()[0][2:]) + 1), v) for a, done in arms.items()
-           if a == "k=0 sync" or a.endswith(" strict, no masks") for r in done if (v := key(r)) is not None]  # fmt: skip
+    lag = [(math.log2(int(a.split()[0][2:]) + 1), done) for a, done in arms.items()
+           if a == "k=0 sync" or a.endswith(" strict, no masks")]  # fmt: skip
+    pts = [(x, v) for x, done in lag for r in done if (v := key(r)) is not None]
     if len(pts) < 3 or len({x for x, _ in pts}) < 2:
         return None
     return (*ols_slope([x for x, _ in pts], [y for _, y in pts]), len(pts))

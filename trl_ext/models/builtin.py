@@ -321,8 +321,8 @@ def pretrain_on(docs: list[str], tokenizer, log, steps: int = STEPS, seq_len: in
 def save_build(out_dir: Path, model, tokenizer, info: dict, t0: float, log) -> dict:
     """Save model and tokenizer into ``out_dir`` with ``build_info.json``: ``info``, the build seconds, the torch
     version and the weights' SHA-256. Builds are seeded but not bitwise reproducible across machines (CPU kernels
-    and torch versions round differently, and pretraining amplifies it), so the hash tells two builds apart: an experiment that must
-    continue on another machine pins its starting weights (see experiments/models/)."""
+    and torch versions round differently, and pretraining amplifies it), so the hash tells two builds apart: an
+    experiment that must continue on another machine pins its starting weights (see experiments/models/)."""
     import hashlib
 
     import torch
