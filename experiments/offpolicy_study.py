@@ -209,11 +209,14 @@ def heldout_success(task: Task, ckpt: Path, n_eval: int) -> float:
 def run_record(task: Task, run, evals: dict, n_eval: int) -> dict:
     """Status, logs and held-out greedy success at each complete checkpoint of one planned run."""
     from trl_ext.runs.checkpoints import latest_complete
+    from trl_ext.runs.provenance import read_start_weights, weights_id
 
     run_dir = ROOT / run.run_dir if not Path(run.run_dir).is_absolute() else Path(run.run_dir)
     summary = run_dir / "run_summary.json"
     status = json.loads(summary.read_text()).get("status") if summary.is_file() else "not finished"
-    rec = {"dir": run_dir.name, "values": run.values, "status": status, "logs": [], "heldout": {}}
+    start = read_start_weights(run_dir) if run_dir.is_dir() else None
+    rec = {"dir": run_dir.name, "values": run.values, "status": status, "logs": [], "heldout": {},
+           "start_weights": None if start is None else weights_id(start)}  # fmt: skip
     last = latest_complete(run_dir) if run_dir.is_dir() else None
     if last is None:
         return rec
@@ -232,7 +235,7 @@ def run_record(task: Task, run, evals: dict, n_eval: int) -> dict:
 def run_summary(rec: dict, end: int, width: int) -> dict:
     """What the JSON keeps of a run: its values, status, held-out curve, the batch windows at ``end`` and the run
     means (the per-step logs stay in the run directory's trainer_state.json). The report's tables read these."""
-    return {**{k: rec[k] for k in ("dir", "values", "status", "heldout")},
+    return {**{k: rec[k] for k in ("dir", "values", "status", "heldout", "start_weights")},
             **{f"batch_{k}@{end}": window_mean(rec["logs"], key, end, width) for k, key in BATCH.items()},
             **{k: run_mean(rec["logs"], f"offpolicy/{k}") for k in RUN_MEANS}}  # fmt: skip
 
@@ -259,6 +262,26 @@ def merge(rec: dict, summary: dict, old: dict | None, end: int) -> dict:
     if f"batch_success@{end}" not in old:
         raise SystemExit(f"archived run {rec['dir']} was summarised at another step than {end}")
     return {**old, "from_archive": True}
+
+
+def start_weights_line(summaries: list[dict]) -> str:
+    """The report's line on the finished runs' start weights (`trl_ext.runs.provenance`); runs of two different
+    starting points are refused, not averaged. Runs that predate the record (or whose archive row does) are
+    counted as such."""
+    done = [r for r in summaries if r["heldout"]]
+    ids: dict[str, list[str]] = {}
+    for r in done:
+        if r.get("start_weights"):
+            ids.setdefault(r["start_weights"], []).append(r["dir"])
+    if len(ids) > 1:
+        raise SystemExit("finished runs started from different weights: " + "; ".join(
+            f"{w} ({len(d)} runs, e.g. {d[0]})" for w, d in ids.items()))
+    missing = len(done) - sum(map(len, ids.values()))
+    if not ids:
+        return f"Start weights: none of the {len(done)} finished runs records them (they predate the record)."
+    ((w, d),) = ids.items()
+    return (f"Start weights: `{w}` in {len(d)} of {len(done)} finished runs"
+            + (f"; {missing} predate the record." if missing else "."))
 
 
 # --- report ---------------------------------------------------------------------------------------------------------
@@ -391,7 +414,8 @@ def main() -> None:
              "same learning rate and seed, mean ± SE over the seeds.", "",
              f"{n_archived} of {sum(map(len, by_group.values()))} runs are read from the previous report's "
              f"experiments/results/{task.results}.json (their run directories were on an earlier machine); the "
-             "others from their run directories under " + task.out + ".", ""]  # fmt: skip
+             "others from their run directories under " + task.out + ".", "",
+             start_weights_line([r for rs in by_group.values() for r in rs]), ""]  # fmt: skip
     arms = {a: done for g in by_group.values() for a, done, _ in arm_rows(g)}
     for group, summaries in by_group.items():
         spec = (SWEEPS / f"{group}.yaml").read_text().split("needs:")[0].replace("description: >", "").split()

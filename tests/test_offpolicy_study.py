@@ -149,7 +149,7 @@ def test_archived_runs_stand_in_for_missing_run_directories(tmp_path):
     assert study.archived(tmp_path / "none.json") == {}
 
     missing = {"dir": "d0", "values": {"max_async_level": "0", "seed": "0"}, "status": "not finished", "logs": [],
-               "heldout": {}}
+               "heldout": {}, "start_weights": None}
     fresh = study.run_summary(missing, 150, 50)
     merged = study.merge(missing, fresh, archive[("lag", "d0")], 150)
     assert merged["from_archive"] and merged["heldout"] == {50: 0.2, 150: 0.2} and merged["status"] == "done"
@@ -165,6 +165,22 @@ def test_archived_runs_stand_in_for_missing_run_directories(tmp_path):
         study.merge(missing, fresh, archive[("calibration", "d0")], 150)
     with pytest.raises(SystemExit, match="another step"):
         study.merge(missing, fresh, archive[("lag", "d0")], 600)
+
+
+def test_start_weights_line_counts_and_refuses_two_starting_points():
+    """Finished runs report their one recorded starting point, counting those that predate the record (archived rows
+    without the key included); two recorded starting points end the report; unfinished runs do not count."""
+    def run(name, weights, done=True, **extra):
+        return {"dir": name, "heldout": {150: 0.1} if done else {}, "start_weights": weights, **extra}
+
+    old_row = {"dir": "old", "heldout": {150: 0.1}}  # an archive row written before runs recorded start weights
+    assert study.start_weights_line([run("a", None), old_row]) == (
+        "Start weights: none of the 2 finished runs records them (they predate the record).")
+    line = study.start_weights_line([run("a", "7693"), run("b", "7693"), run("c", None), old_row, run("d", "x", False)])
+    assert line == "Start weights: `7693` in 2 of 4 finished runs; 2 predate the record."
+    assert study.start_weights_line([run("a", "7693")]) == "Start weights: `7693` in 1 of 1 finished runs."
+    with pytest.raises(SystemExit, match=r"different weights: 7693 \(1 runs, e.g. a\); 0ff \(2 runs, e.g. b\)"):
+        study.start_weights_line([run("a", "7693"), run("b", "0ff"), run("c", "0ff")])
 
 
 def test_table_reads_run_summaries():

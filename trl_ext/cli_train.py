@@ -215,6 +215,7 @@ def run_training(plan: Plan) -> int:
     from trl_ext.launch.processes import barrier
     from trl_ext.routing.setup import routing_setup
     from trl_ext.runs.preemption import PreemptionCallback, preemption_handler
+    from trl_ext.runs.provenance import start_weights
     from trl_ext.runs.rundir import start_on_main
     from trl_ext.trainer import ExtGRPOTrainer
 
@@ -264,6 +265,7 @@ def run_training(plan: Plan) -> int:
         eval_reward_funcs={name: rc.reward(name) for name in run.eval_reward_names},
         **routing_kwargs,
     )
+    start_weights(plan, model_path, trainer.model)  # recorded, or checked on a resume (ConfigError: exit 2)
     if cfg.eval_baseline:  # the main process samples it; the others wait
         from trl_ext.distill.baseline import run_eval_baseline
 
@@ -319,4 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
-    return run_training(plan)
+    try:
+        return run_training(plan)
+    except ConfigError as e:  # a refusal that needs the model resolved (a resume from other start weights)
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2

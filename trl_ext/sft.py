@@ -124,6 +124,7 @@ def run_sft(plan) -> int:
     from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
     from trl_ext.runs.mixin import CheckpointMixin
     from trl_ext.runs.preemption import PreemptionCallback, preemption_handler
+    from trl_ext.runs.provenance import start_weights
     from trl_ext.runs.rundir import start_on_main
 
     class CheckpointedSFTTrainer(CheckpointMixin, SFTTrainer):
@@ -135,6 +136,7 @@ def run_sft(plan) -> int:
     model_path = model_source(run.model)
     tokenizer = prepare_tokenizer(load_tokenizer(model_path))
     model = AutoModelForCausalLM.from_pretrained(model_path)
+    start_weights(plan, model_path, model)  # recorded, or checked on a resume
     env_params = parse_env_params(cfg.env_params)
     records = sft_records(cfg.env, cfg.sft_train_size, TRAIN_LEVELS, uses_chat(tokenizer), env_params)
     val_args = (cfg.env, cfg.sft_test_size, cfg.turns, cfg.max_completion_length)

@@ -323,15 +323,15 @@ def save_build(out_dir: Path, model, tokenizer, info: dict, t0: float, log) -> d
     version and the weights' SHA-256. Builds are seeded but not bitwise reproducible across machines (CPU kernels
     and torch versions round differently, and pretraining amplifies it), so the hash tells two builds apart: an
     experiment that must continue on another machine pins its starting weights (see experiments/models/)."""
-    import hashlib
-
     import torch
+
+    from trl_ext.runs.provenance import file_sha256
 
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     info["seconds"] = round(time.time() - t0, 1)
     info["torch"] = torch.__version__
-    info["weights_sha256"] = hashlib.sha256((Path(out_dir) / "model.safetensors").read_bytes()).hexdigest()
+    info["weights_sha256"] = file_sha256(Path(out_dir) / "model.safetensors")  # = the run's start weights id
     (Path(out_dir) / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     log(f"done: final loss {info['final_loss']:.3f}, happy rate {info.get('sample_happy_rate', float('nan')):.2f}")
     return info

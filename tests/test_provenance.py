@@ -1,0 +1,121 @@
+"""Start weights (`trl_ext.runs.provenance`): exact digests on hand-made files, the resume check, and end to end on
+the builtin model (the record holds its weights' digest; a resume from other weights exits 2)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trl_ext.registry import ConfigError
+from trl_ext.runs.provenance import (
+    START_WEIGHTS, file_sha256, fingerprint, read_start_weights, record_start_weights, weights_id,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHA_ABC = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"  # SHA-256("abc"), FIPS 180-2 example
+SHA_EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+def test_file_sha256_in_chunks_matches_the_standard_vectors(tmp_path):
+    (tmp_path / "w.bin").write_bytes(b"abc")
+    (tmp_path / "e.bin").write_bytes(b"")
+    assert file_sha256(tmp_path / "w.bin", chunk=1) == SHA_ABC  # 3 reads of one byte each
+    assert file_sha256(tmp_path / "w.bin") == SHA_ABC
+    assert file_sha256(tmp_path / "e.bin") == SHA_EMPTY
+
+
+def test_directory_fingerprint_hashes_weight_files_only(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"abc")
+    (tmp_path / "config.json").write_text("{}")  # not a weight file: a config edit is not a new start
+    record = fingerprint("mine", str(tmp_path), commit=None)
+    assert record == {"model": "mine", "path": str(tmp_path.resolve()), "files": {"model.safetensors": SHA_ABC}}
+    assert weights_id(record) == SHA_ABC  # one file: its own digest (= build_info.json's weights_sha256)
+    (tmp_path / "extra.bin").write_bytes(b"")
+    two = fingerprint("mine", str(tmp_path), commit=None)
+    lines = f"extra.bin {SHA_EMPTY}\nmodel.safetensors {SHA_ABC}\n"  # sorted by name
+    assert weights_id(two) == hashlib.sha256(lines.encode()).hexdigest()
+
+
+def test_hub_fingerprint_is_the_commit_and_missing_pieces_are_refused(tmp_path):
+    record = fingerprint("org/model", "org/model", commit="0123abc")
+    assert record == {"model": "org/model", "path": "org/model", "commit": "0123abc"}
+    assert weights_id(record) == "org/model@0123abc"
+    with pytest.raises(ConfigError, match="without a recorded commit"):
+        fingerprint("org/model", "org/model", commit=None)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="no weight file"):
+        fingerprint("mine", str(tmp_path), commit=None)
+
+
+def test_the_path_is_not_part_of_the_identity(tmp_path):
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "model.safetensors").write_bytes(b"abc")
+    a, b = (fingerprint("m", str(tmp_path / d), None) for d in ("a", "b"))
+    assert a["path"] != b["path"] and weights_id(a) == weights_id(b)
+
+
+def test_record_then_check_on_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    same = {"model": "m", "path": "/x", "files": {"model.safetensors": SHA_ABC}}
+    moved = {"model": "m", "path": "/elsewhere", "files": {"model.safetensors": SHA_ABC}}
+    other = {"model": "m", "path": "/y", "files": {"model.safetensors": SHA_EMPTY}}
+    # a run that predates the record: resumed, nothing written (it cannot know what it started from)
+    assert "not recorded at this run's start" in record_start_weights(run_dir, same, resumed=True)
+    assert read_start_weights(run_dir) is None
+    assert record_start_weights(run_dir, same, resumed=False) == f"start weights: {SHA_ABC} (/x)"
+    assert json.loads((run_dir / START_WEIGHTS).read_text()) == same
+    assert record_start_weights(run_dir, moved, resumed=True) == f"start weights: {SHA_ABC}, as at this run's start"
+    with pytest.raises(ConfigError) as e:
+        record_start_weights(run_dir, other, resumed=True)
+    assert f"weights {SHA_ABC} (/x)" in str(e.value) and f"now loads {SHA_EMPTY} (/y)" in str(e.value)
+    assert read_start_weights(run_dir) == same  # the refusal leaves the record alone
+    with pytest.raises(ConfigError, match="exists before this fresh run"):
+        record_start_weights(run_dir, same, resumed=False)
+
+
+def test_pinned_search_build_fingerprint_equals_its_build_info():
+    pinned = ROOT / "experiments" / "models" / "builtin_search-7693a12a"
+    info = json.loads((pinned / "build_info.json").read_text())
+    record = fingerprint(str(pinned), str(pinned), None)
+    assert weights_id(record) == info["weights_sha256"] and info["weights_sha256"].startswith("7693a12a")
+
+
+@pytest.mark.slow
+def test_train_py_records_start_weights_and_refuses_a_resume_from_others(builtin_path, tmp_path):
+    base = [sys.executable, "train.py", "--reward", "happy_binary", "--batch_size", "4", "--num_generations", "2",
+            "--max_completion_length", "8", "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1", "--no_wandb",
+            "--output_dir", str(tmp_path)]  # fmt: skip
+
+    def train(*flags):
+        return subprocess.run([*base, *flags], cwd=ROOT, capture_output=True, text=True)
+
+    def cut_to_checkpoint_2():  # as if killed after checkpoint 2
+        shutil.rmtree(run_dir / "checkpoint-4")
+        (run_dir / "run_summary.json").unlink()
+
+    first = train()
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    built = hashlib.sha256((Path(builtin_path) / "model.safetensors").read_bytes()).hexdigest()
+    record = read_start_weights(run_dir)
+    assert record["model"] == "builtin" and record["files"] == {"model.safetensors": built}
+    assert f"start weights: {built}" in (run_dir / "train.log").read_text()
+    cut_to_checkpoint_2()
+    again = train("--resume_from_checkpoint", "latest")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"start weights: {built}, as at this run's start" in again.stdout
+    cut_to_checkpoint_2()
+    record["files"]["model.safetensors"] = SHA_ABC  # as if the run had started from another build
+    (run_dir / START_WEIGHTS).write_text(json.dumps(record))
+    refused = train("--resume_from_checkpoint", "latest")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"weights {SHA_ABC}" in refused.stderr and f"now loads {built}" in refused.stderr
+    assert not (run_dir / "checkpoint-4").exists()

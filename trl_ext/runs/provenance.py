@@ -1,0 +1,92 @@
+"""Which weights a run started from: ``start_weights.json`` in the run directory.
+
+The same ``--model`` can name different weights: a builtin model is built on first use and builds differ across
+machines (README, "The builtin model"), a local directory can be rewritten, a hub id moves with its main branch. So
+a run records what it started from, a resume refuses to continue from other weights, and a study can refuse to mix
+runs of different starting points (``experiments/offpolicy_study.py``):
+
+- a local directory: the SHA-256 of each weight file (``*.safetensors``, ``*.bin``, ``*.pt``), read in chunks; a
+  single-file builtin model's digest equals its ``build_info.json`` ``weights_sha256``;
+- a hub id: the snapshot's commit, as transformers records it on the loaded config (``config._commit_hash``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from trl_ext.registry import ConfigError
+
+START_WEIGHTS = "start_weights.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint(model: str, source: str, commit: str | None) -> dict:
+    """The record of ``--model`` ``model``, loaded from ``source`` (a directory, or a hub id at ``commit``)."""
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+        if not files:
+            raise ConfigError(f"--model {model}: no weight file ({', '.join(WEIGHT_SUFFIXES)}) in {source}")
+        return {"model": model, "path": str(path.resolve()), "files": {p.name: file_sha256(p) for p in files}}
+    if not commit:
+        raise ConfigError(f"--model {model}: loaded from the hub without a recorded commit, so the run cannot say "
+                          "which weights it started from")
+    return {"model": model, "path": source, "commit": commit}
+
+
+def weights_id(record: dict) -> str:
+    """One string per starting point: the file's SHA-256 (one file), the SHA-256 of the sorted ``name sha256``
+    lines (several), or ``hub_id@commit``. The path is not part of it: a copy elsewhere is the same start."""
+    if "commit" in record:
+        return f"{record['path']}@{record['commit']}"
+    files = record["files"]
+    if len(files) == 1:
+        return next(iter(files.values()))
+    return hashlib.sha256("".join(f"{n} {h}\n" for n, h in sorted(files.items())).encode()).hexdigest()
+
+
+def read_start_weights(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / START_WEIGHTS
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def record_start_weights(run_dir: Path, record: dict, resumed: bool) -> str:
+    """A fresh run writes ``record`` to its directory; a resumed run compares it with the one written at its start
+    and refuses (ConfigError) other weights. A resumed run that predates the record writes none (it cannot know what
+    it started from). Returns a line for train.log."""
+    old = read_start_weights(run_dir)
+    if not resumed:
+        if old is not None:
+            raise ConfigError(f"{Path(run_dir) / START_WEIGHTS} exists before this fresh run started")
+        (Path(run_dir) / START_WEIGHTS).write_text(json.dumps(record, indent=2) + "\n")
+        return f"start weights: {weights_id(record)} ({record['path']})"
+    if old is None:
+        return f"start weights: not recorded at this run's start; it resumes with {weights_id(record)}"
+    if weights_id(old) != weights_id(record):
+        raise ConfigError(f"{run_dir} started from --model {old['model']}, weights {weights_id(old)} ({old['path']}); "
+                          f"--model {record['model']} now loads {weights_id(record)} ({record['path']}): resume from "
+                          "the weights it started from (a builtin model differs across machines: pin it as a "
+                          "directory, README \"The builtin model\")")
+    return f"start weights: {weights_id(record)}, as at this run's start"
+
+
+def start_weights(plan, model_path: str, model) -> None:
+    """train.py's call (``plan``: its Plan, ``model`` loaded from ``model_path``): the main process records or checks
+    the start weights, every rank receives a refusal (`launch.processes.on_main`), the main process logs the line."""
+    from trl_ext.launch.processes import is_main, on_main
+
+    commit = getattr(getattr(model, "config", None), "_commit_hash", None)  # set by from_pretrained from the hub
+    line = on_main(lambda: record_start_weights(plan.run_dir, fingerprint(plan.run.model, model_path, commit),
+                                                resumed=plan.resume is not None))  # fmt: skip
+    if is_main():
+        print(line, flush=True)
