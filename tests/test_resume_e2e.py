@@ -86,6 +86,7 @@ def test_sigkill_and_resume_matches_uninterrupted(builtin_path, tmp_path, kind):
 
     log = (run_dir / "train.log").read_text()
     assert log.count("RESUMED from") == 1 and log.index("RESUMED from") > log.index("run dir:")
+    assert log.index("as at this run's start") > log.index("RESUMED from")  # start weights checked (provenance)
     assert json.loads((run_dir / "run_summary.json").read_text())["steps"] == 6
     ref, resumed = history(ref_dir), history(run_dir)
     assert sorted(resumed) == list(range(1, 7))
