@@ -14,7 +14,7 @@ import pytest
 
 from trl_ext.registry import ConfigError
 from trl_ext.runs.provenance import (
-    START_WEIGHTS, file_sha256, fingerprint, read_start_weights, record_start_weights, weights_id,
+    START_WEIGHTS, file_sha256, fingerprint, read_start_weights, record_start_weights, start_id, weights_id,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +79,18 @@ def test_record_then_check_on_resume(tmp_path):
     assert read_start_weights(run_dir) == same  # the refusal leaves the record alone
     with pytest.raises(ConfigError, match="exists before this fresh run"):
         record_start_weights(run_dir, same, resumed=False)
+
+
+def test_a_distillation_teacher_is_part_of_the_start(tmp_path):
+    policy = {"model": "m", "path": "/x", "files": {"model.safetensors": SHA_ABC}}
+    with_teacher = {**policy, "teacher": {"model": "t", "path": "/t", "files": {"model.safetensors": SHA_EMPTY}}}
+    assert start_id(policy) == SHA_ABC and start_id(with_teacher) == f"{SHA_ABC}, teacher {SHA_EMPTY}"
+    record_start_weights(tmp_path, with_teacher, resumed=False)
+    other_teacher = {**policy, "teacher": {"model": "t", "path": "/t", "files": {"model.safetensors": SHA_ABC}}}
+    with pytest.raises(ConfigError, match=f"teacher {SHA_ABC}"):  # same policy, another teacher build
+        record_start_weights(tmp_path, other_teacher, resumed=True)
+    with pytest.raises(ConfigError, match="now loads"):  # the teacher dropped
+        record_start_weights(tmp_path, policy, resumed=True)
 
 
 def test_pinned_search_build_fingerprint_equals_its_build_info():

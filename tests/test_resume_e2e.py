@@ -4,6 +4,7 @@ silent overwrite; saved rollouts; numeric faults stop the run after saving the l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from datasets import Dataset
 
 from trl_ext.config import ExtGRPOConfig
 from trl_ext.models import load_tokenizer, prepare_tokenizer
+from trl_ext.models.builtin_mood import ensure_builtin_mood
 from trl_ext.runs.checkpoints import MARKER, latest_complete, list_checkpoints
 from trl_ext.runs.faults import NumericFault
 from trl_ext.runs.rollouts import load_rollouts
@@ -278,7 +280,11 @@ def test_distillation_rollouts_carry_the_teacher_and_student_sums(tmp_path):
     """Saved sums reproduce the full-reward advantage R - mean_group(R), R = task + 0.5 T - 0.25 S (distill.py)."""
     train(tmp_path, *BASE, "--max_steps", "1", "--model", "builtin_mood", "--teacher_model", "builtin_mood",
           "--teacher_context", "A happy story.", "--teacher_tau", "0.5", "--student_tau", "0.25", "--save_rollouts")
-    ro = load_rollouts(next(tmp_path.iterdir())).to_pandas()
+    run_dir = next(tmp_path.iterdir())
+    mood = hashlib.sha256((ensure_builtin_mood() / "model.safetensors").read_bytes()).hexdigest()
+    start = json.loads((run_dir / "start_weights.json").read_text())  # the teacher is part of the start
+    assert start["files"] == start["teacher"]["files"] == {"model.safetensors": mood}
+    ro = load_rollouts(run_dir).to_pandas()
     assert (ro["teacher_logprob_sum"] < 0).all() and (ro["student_logprob_sum"] < 0).all()
     assert not ro["teacher_logprob_sum"].equals(ro["student_logprob_sum"])
     full = ro["reward"] + 0.5 * ro["teacher_logprob_sum"] - 0.25 * ro["student_logprob_sum"]

@@ -265,7 +265,8 @@ def run_training(plan: Plan) -> int:
         eval_reward_funcs={name: rc.reward(name) for name in run.eval_reward_names},
         **routing_kwargs,
     )
-    start_weights(plan, model_path, trainer.model)  # recorded, or checked on a resume (ConfigError: exit 2)
+    # recorded, or checked on a resume (ConfigError: exit 2)
+    start_weights(plan, model_path, trainer.model, getattr(trainer, "distill_teacher", None))
     if cfg.eval_baseline:  # the main process samples it; the others wait
         from trl_ext.distill.baseline import run_eval_baseline
 

@@ -7,7 +7,8 @@ runs of different starting points (``experiments/offpolicy_study.py``):
 
 - a local directory: the SHA-256 of each weight file (``*.safetensors``, ``*.bin``, ``*.pt``), read in chunks; a
   single-file builtin model's digest equals its ``build_info.json`` ``weights_sha256``;
-- a hub id: the snapshot's commit, as transformers records it on the loaded config (``config._commit_hash``).
+- a hub id: the snapshot's commit, as transformers records it on the loaded config (``config._commit_hash``);
+- a distillation run's ``--teacher_model`` the same way, under ``teacher``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ def weights_id(record: dict) -> str:
     return hashlib.sha256("".join(f"{n} {h}\n" for n, h in sorted(files.items())).encode()).hexdigest()
 
 
+def start_id(record: dict) -> str:
+    """What a resume must match: the policy's weights id, and the distillation teacher's when the run has one."""
+    teacher = record.get("teacher")
+    return weights_id(record) + (f", teacher {weights_id(teacher)}" if teacher else "")
+
+
 def read_start_weights(run_dir: Path) -> dict | None:
     path = Path(run_dir) / START_WEIGHTS
     return json.loads(path.read_text()) if path.is_file() else None
@@ -69,24 +76,35 @@ def record_start_weights(run_dir: Path, record: dict, resumed: bool) -> str:
         if old is not None:
             raise ConfigError(f"{Path(run_dir) / START_WEIGHTS} exists before this fresh run started")
         (Path(run_dir) / START_WEIGHTS).write_text(json.dumps(record, indent=2) + "\n")
-        return f"start weights: {weights_id(record)} ({record['path']})"
+        return f"start weights: {start_id(record)} ({record['path']})"
     if old is None:
-        return f"start weights: not recorded at this run's start; it resumes with {weights_id(record)}"
-    if weights_id(old) != weights_id(record):
-        raise ConfigError(f"{run_dir} started from --model {old['model']}, weights {weights_id(old)} ({old['path']}); "
-                          f"--model {record['model']} now loads {weights_id(record)} ({record['path']}): resume from "
+        return f"start weights: not recorded at this run's start; it resumes with {start_id(record)}"
+    if start_id(old) != start_id(record):
+        raise ConfigError(f"{run_dir} started from --model {old['model']}, weights {start_id(old)} ({old['path']}); "
+                          f"--model {record['model']} now loads {start_id(record)} ({record['path']}): resume from "
                           "the weights it started from (a builtin model differs across machines: pin it as a "
                           "directory, README \"The builtin model\")")
-    return f"start weights: {weights_id(record)}, as at this run's start"
+    return f"start weights: {start_id(record)}, as at this run's start"
 
 
-def start_weights(plan, model_path: str, model) -> None:
-    """train.py's call (``plan``: its Plan, ``model`` loaded from ``model_path``): the main process records or checks
-    the start weights, every rank receives a refusal (`launch.processes.on_main`), the main process logs the line."""
+def start_weights(plan, model_path: str, model, teacher=None) -> None:
+    """train.py's call (``plan``: its Plan, ``model`` loaded from ``model_path``, ``teacher`` the distillation
+    teacher loaded from ``--teacher_model``): the main process records or checks the start weights, every rank
+    receives a refusal (`launch.processes.on_main`), the main process logs the line."""
     from trl_ext.launch.processes import is_main, on_main
+    from trl_ext.models import model_source
 
-    commit = getattr(getattr(model, "config", None), "_commit_hash", None)  # set by from_pretrained from the hub
-    line = on_main(lambda: record_start_weights(plan.run_dir, fingerprint(plan.run.model, model_path, commit),
-                                                resumed=plan.resume is not None))  # fmt: skip
+    def record() -> dict:
+        out = fingerprint(plan.run.model, model_path, _commit(model))
+        name = getattr(plan.cfg, "teacher_model", "")
+        if name:  # built (a builtin name) and loaded by the trainer already
+            out["teacher"] = fingerprint(name, model_source(name), _commit(teacher))
+        return out
+
+    line = on_main(lambda: record_start_weights(plan.run_dir, record(), resumed=plan.resume is not None))
     if is_main():
         print(line, flush=True)
+
+
+def _commit(model) -> str | None:
+    return getattr(getattr(model, "config", None), "_commit_hash", None)  # set by from_pretrained from the hub
