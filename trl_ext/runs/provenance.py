@@ -92,13 +92,11 @@ def start_weights(plan, model_path: str, model, teacher=None) -> None:
     teacher loaded from ``--teacher_model``): the main process records or checks the start weights, every rank
     receives a refusal (`launch.processes.on_main`), the main process logs the line."""
     from trl_ext.launch.processes import is_main, on_main
-    from trl_ext.models import model_source
 
     def record() -> dict:
         out = fingerprint(plan.run.model, model_path, _commit(model))
-        name = getattr(plan.cfg, "teacher_model", "")
-        if name:  # built (a builtin name) and loaded by the trainer already
-            out["teacher"] = fingerprint(name, model_source(name), _commit(teacher))
+        if teacher is not None:  # loaded from its resolved path, which its config keeps as _name_or_path
+            out["teacher"] = fingerprint(plan.cfg.teacher_model, teacher.config._name_or_path, _commit(teacher))
         return out
 
     line = on_main(lambda: record_start_weights(plan.run_dir, record(), resumed=plan.resume is not None))
