@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from trl_ext.registry import ConfigError
 from trl_ext.runs.provenance import (
@@ -33,31 +34,51 @@ def test_file_sha256_in_chunks_matches_the_standard_vectors(tmp_path):
 def test_directory_fingerprint_hashes_weight_files_only(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"abc")
     (tmp_path / "config.json").write_text("{}")  # not a weight file: a config edit is not a new start
-    record = fingerprint("mine", str(tmp_path), commit=None)
+    record = fingerprint("mine", str(tmp_path))
     assert record == {"model": "mine", "path": str(tmp_path.resolve()), "files": {"model.safetensors": SHA_ABC}}
     assert weights_id(record) == SHA_ABC  # one file: its own digest (= build_info.json's weights_sha256)
     (tmp_path / "extra.bin").write_bytes(b"")
-    two = fingerprint("mine", str(tmp_path), commit=None)
+    two = fingerprint("mine", str(tmp_path))
     lines = f"extra.bin {SHA_EMPTY}\nmodel.safetensors {SHA_ABC}\n"  # sorted by name
     assert weights_id(two) == hashlib.sha256(lines.encode()).hexdigest()
 
 
-def test_hub_fingerprint_is_the_commit_and_missing_pieces_are_refused(tmp_path):
-    record = fingerprint("org/model", "org/model", commit="0123abc")
-    assert record == {"model": "org/model", "path": "org/model", "commit": "0123abc"}
-    assert weights_id(record) == "org/model@0123abc"
-    with pytest.raises(ConfigError, match="without a recorded commit"):
-        fingerprint("org/model", "org/model", commit=None)
-    (tmp_path / "config.json").write_text("{}")
+def test_a_hub_id_is_named_by_the_commit_of_the_snapshot_transformers_loaded(tmp_path, monkeypatch):
+    """A hub id, offline, from a cache laid out as huggingface_hub lays it out (refs/<branch> holds the commit,
+    snapshots/<commit>/ the files): the record names the snapshot from_pretrained loaded, of the default branch or of
+    ``@revision``; a hub id that is not cached, and a directory without weights, are refused."""
+    import huggingface_hub.constants
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    commits = {"main": "0123456789abcdef0123456789abcdef01234567", "v2": "89abcdef0123456789abcdef0123456789abcdef"}
+    for seed, (branch, commit) in enumerate(commits.items()):
+        torch.manual_seed(seed)
+        LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2)).save_pretrained(
+            repo / "snapshots" / commit)  # fmt: skip
+        (repo / "refs" / branch).write_text(commit)
+    main = AutoModelForCausalLM.from_pretrained("org/tiny", cache_dir=tmp_path, local_files_only=True)
+    v2 = AutoModelForCausalLM.from_pretrained("org/tiny", revision="v2", cache_dir=tmp_path, local_files_only=True)
+    assert not torch.equal(main.lm_head.weight, v2.lm_head.weight)  # two snapshots really loaded
+    record = fingerprint("org/tiny", "org/tiny")
+    assert record == {"model": "org/tiny", "path": "org/tiny", "commit": commits["main"]}
+    assert weights_id(record) == f"org/tiny@{commits['main']}"
+    assert fingerprint("org/tiny@v2", "org/tiny@v2")["commit"] == commits["v2"]
+    with pytest.raises(ConfigError, match="nor in the local hub cache"):
+        fingerprint("org/other", "org/other")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no weight file"):
-        fingerprint("mine", str(tmp_path), commit=None)
+        fingerprint("mine", str(tmp_path / "empty"))
 
 
 def test_the_path_is_not_part_of_the_identity(tmp_path):
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
         (tmp_path / d / "model.safetensors").write_bytes(b"abc")
-    a, b = (fingerprint("m", str(tmp_path / d), None) for d in ("a", "b"))
+    a, b = (fingerprint("m", str(tmp_path / d)) for d in ("a", "b"))
     assert a["path"] != b["path"] and weights_id(a) == weights_id(b)
 
 
@@ -96,7 +117,7 @@ def test_a_distillation_teacher_is_part_of_the_start(tmp_path):
 def test_pinned_search_build_fingerprint_equals_its_build_info():
     pinned = ROOT / "experiments" / "models" / "builtin_search-7693a12a"
     info = json.loads((pinned / "build_info.json").read_text())
-    record = fingerprint(str(pinned), str(pinned), None)
+    record = fingerprint(str(pinned), str(pinned))
     assert weights_id(record) == info["weights_sha256"] and info["weights_sha256"].startswith("7693a12a")
 
 

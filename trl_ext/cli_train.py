@@ -266,7 +266,7 @@ def run_training(plan: Plan) -> int:
         **routing_kwargs,
     )
     # recorded, or checked on a resume (ConfigError: exit 2)
-    start_weights(plan, model_path, trainer.model, getattr(trainer, "distill_teacher", None))
+    start_weights(plan, model_path, getattr(trainer, "distill_teacher", None))
     if cfg.eval_baseline:  # the main process samples it; the others wait
         from trl_ext.distill.baseline import run_eval_baseline
 

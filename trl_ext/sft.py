@@ -136,7 +136,7 @@ def run_sft(plan) -> int:
     model_path = model_source(run.model)
     tokenizer = prepare_tokenizer(load_tokenizer(model_path))
     model = AutoModelForCausalLM.from_pretrained(model_path)
-    start_weights(plan, model_path, model)  # recorded, or checked on a resume
+    start_weights(plan, model_path)  # recorded, or checked on a resume
     env_params = parse_env_params(cfg.env_params)
     records = sft_records(cfg.env, cfg.sft_train_size, TRAIN_LEVELS, uses_chat(tokenizer), env_params)
     val_args = (cfg.env, cfg.sft_test_size, cfg.turns, cfg.max_completion_length)

@@ -7,7 +7,7 @@ runs of different starting points (``experiments/offpolicy_study.py``):
 
 - a local directory: the SHA-256 of each weight file (``*.safetensors``, ``*.bin``, ``*.pt``), read in chunks; a
   single-file builtin model's digest equals its ``build_info.json`` ``weights_sha256``;
-- a hub id: the snapshot's commit, as transformers records it on the loaded config (``config._commit_hash``);
+- a hub id: the commit of the cached snapshot it was loaded from (``hub_commit``);
 - a distillation run's ``--teacher_model`` the same way, under ``teacher``.
 """
 
@@ -31,18 +31,31 @@ def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
-def fingerprint(model: str, source: str, commit: str | None) -> dict:
-    """The record of ``--model`` ``model``, loaded from ``source`` (a directory, or a hub id at ``commit``)."""
+def fingerprint(model: str, source: str) -> dict:
+    """The record of the model named ``model`` (``--model``, ``--teacher_model``), loaded from ``source``: a
+    directory, or a hub id (``repo`` or ``repo@revision``) that from_pretrained has just loaded into the hub cache."""
     path = Path(source)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
         if not files:
-            raise ConfigError(f"--model {model}: no weight file ({', '.join(WEIGHT_SUFFIXES)}) in {source}")
+            raise ConfigError(f"model {model}: no weight file ({', '.join(WEIGHT_SUFFIXES)}) in {source}")
         return {"model": model, "path": str(path.resolve()), "files": {p.name: file_sha256(p) for p in files}}
-    if not commit:
-        raise ConfigError(f"--model {model}: loaded from the hub without a recorded commit, so the run cannot say "
-                          "which weights it started from")
+    commit = hub_commit(source)
+    if commit is None:
+        raise ConfigError(f"model {model}: {source} is neither a directory nor in the local hub cache, so the run "
+                          "cannot say which weights it started from")
     return {"model": model, "path": source, "commit": commit}
+
+
+def hub_commit(model_id: str) -> str | None:
+    """The commit of the cached snapshot that ``repo[@revision]`` resolves to (the default branch without a
+    revision): huggingface_hub's cache keeps each snapshot under ``snapshots/<commit>/``. transformers 5 no longer
+    records it on the config (``_commit_hash`` is dropped)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    repo, _, revision = model_id.partition("@")
+    found = try_to_load_from_cache(repo, "config.json", revision=revision or None)
+    return Path(found).parent.name if isinstance(found, str) else None
 
 
 def weights_id(record: dict) -> str:
@@ -87,22 +100,18 @@ def record_start_weights(run_dir: Path, record: dict, resumed: bool) -> str:
     return f"start weights: {start_id(record)}, as at this run's start"
 
 
-def start_weights(plan, model_path: str, model, teacher=None) -> None:
-    """train.py's call (``plan``: its Plan, ``model`` loaded from ``model_path``, ``teacher`` the distillation
+def start_weights(plan, model_path: str, teacher=None) -> None:
+    """train.py's call (``plan``: its Plan, the policy loaded from ``model_path``, ``teacher`` the distillation
     teacher loaded from ``--teacher_model``): the main process records or checks the start weights, every rank
     receives a refusal (`launch.processes.on_main`), the main process logs the line."""
     from trl_ext.launch.processes import is_main, on_main
 
     def record() -> dict:
-        out = fingerprint(plan.run.model, model_path, _commit(model))
+        out = fingerprint(plan.run.model, model_path)
         if teacher is not None:  # loaded from its resolved path, which its config keeps as _name_or_path
-            out["teacher"] = fingerprint(plan.cfg.teacher_model, teacher.config._name_or_path, _commit(teacher))
+            out["teacher"] = fingerprint(plan.cfg.teacher_model, teacher.config._name_or_path)
         return out
 
     line = on_main(lambda: record_start_weights(plan.run_dir, record(), resumed=plan.resume is not None))
     if is_main():
         print(line, flush=True)
-
-
-def _commit(model) -> str | None:
-    return getattr(getattr(model, "config", None), "_commit_hash", None)  # set by from_pretrained from the hub
