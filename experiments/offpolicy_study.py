@@ -209,14 +209,14 @@ def heldout_success(task: Task, ckpt: Path, n_eval: int) -> float:
 def run_record(task: Task, run, evals: dict, n_eval: int) -> dict:
     """Status, logs and held-out greedy success at each complete checkpoint of one planned run."""
     from trl_ext.runs.checkpoints import latest_complete
-    from trl_ext.runs.provenance import read_start_weights, weights_id
+    from trl_ext.runs.provenance import read_start_weights, start_id
 
     run_dir = ROOT / run.run_dir if not Path(run.run_dir).is_absolute() else Path(run.run_dir)
     summary = run_dir / "run_summary.json"
     status = json.loads(summary.read_text()).get("status") if summary.is_file() else "not finished"
-    start = read_start_weights(run_dir) if run_dir.is_dir() else None
+    start = read_start_weights(run_dir)  # a distillation run's teacher is part of its start (provenance.start_id)
     rec = {"dir": run_dir.name, "values": run.values, "status": status, "logs": [], "heldout": {},
-           "start_weights": None if start is None else weights_id(start)}  # fmt: skip
+           "start_weights": None if start is None else start_id(start)}  # fmt: skip
     last = latest_complete(run_dir) if run_dir.is_dir() else None
     if last is None:
         return rec
