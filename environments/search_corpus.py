@@ -23,13 +23,20 @@ default Lucene BM25, k1 1.5, b 0.75, English stopwords) over each page's title a
 from __future__ import annotations
 
 import functools
+import os
 import random
 import re
 import string
 from dataclasses import dataclass
 
-import bm25s
-import numpy as np
+# bm25s runs a JAX op when imported where JAX is installed (bm25s/selection.py: jax.lax.top_k), and JAX then takes
+# 75% of every GPU's memory for itself: a GPU run beside it fails with CUDA out of memory (seen on an H200 with JAX
+# in the image). Retrieval here scores with numpy (``BM25.get_scores``), so JAX is kept on the CPU unless the caller
+# chose its platforms.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import bm25s  # noqa: E402
+import numpy as np  # noqa: E402
 
 from .stories import ANIMALS, BOYS, DOINGS, FEELINGS, GIRLS, KINDS, LOOKS, OBJECTS, PLACES, TIMES
 

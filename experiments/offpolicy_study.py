@@ -12,6 +12,10 @@ TASK is math or search:
     uv run sweep.py --config sweeps/offpolicy_TASK_kl_long_lag.yaml   # kl_tau 1e-3 / 1e-2 at k = 32 and 64
     uv run python experiments/offpolicy_study.py --task TASK   # table and plot from the run directories
 
+``--task search_gpu`` is the search study's replication on one GPU: one command group,
+``offpolicy_search_gpu_replication`` (k = 0 against strict k = 16 without masks, with the default masks and with
+kl_tau 1). ``--jobs N`` evaluates the checkpoints in N processes.
+
 Math is experiments/math_learns.py's "rl" arm (arithmetic with small operands from builtin_env, 600 GRPO steps, batch 32
 x 8 generations, beta 0, fast backend) at lr 2e-4, twice its rate: the calibration group shows why (at 1e-4 k = 16
 without masks is not measurably worse than k = 0). Search is the search environment (3 turns: search, read, answer; 400
@@ -67,10 +71,12 @@ class Task:
     out: str  # the sweeps' output_dir (evals.json is cached there)
     results: str  # experiments/results/{results}.md, .json, .png
     metric: str  # what the held-out success is called ("accuracy" for single answers)
+    kinds: tuple[str, ...] = GROUP_KINDS  # its command groups: sweeps/offpolicy_{name}_{kind}.yaml
+    device: str = "CPU"  # where its runs trained (the report's heading)
 
     @property
     def groups(self) -> tuple[str, ...]:
-        return tuple(f"offpolicy_{self.name}_{kind}" for kind in GROUP_KINDS)
+        return tuple(f"offpolicy_{self.name}_{kind}" for kind in self.kinds)
 
     @property
     def evals(self) -> Path:
@@ -82,6 +88,8 @@ TASKS = {t.name: t for t in (
          100, "output/offpolicy_study", "offpolicy_study", "accuracy"),
     Task("search", "search, 3 turns, builtin_search build 7693a12a", "search", {"k": 3, "n_pages": 400}, 3, 24, 50,
          "output/offpolicy_search", "offpolicy_search", "success"),
+    Task("search_gpu", "search, 3 turns, builtin_search build 7693a12a", "search", {"k": 3, "n_pages": 400}, 3, 24,
+         50, "output/offpolicy_search_gpu", "offpolicy_search_gpu", "success", ("replication",), "one GPU"),
 )}  # fmt: skip
 INVALID = {"arithmetic": "answers that are not an integer in the answer format",
            "search": "turns whose action is not search, read (a known title) or answer"}  # fmt: skip
@@ -92,14 +100,15 @@ NO_MASK = {"token_mask_low": "0", "token_mask_high": "1e10", "sequence_mask_low"
            "geo_mask_low": "0", "geo_mask_high": "1e10", "sequence_clip_high": "1e10"}  # fmt: skip
 
 
-def _math_learns():
-    spec = importlib.util.spec_from_file_location("math_learns", ROOT / "experiments" / "math_learns.py")
+def _load(name: str):
+    """A module of experiments/ (not a package) by file name."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-ml = _math_learns()  # mean_se, fmt, evaluate, checkpoints: one definition for both math experiments
+ml = _load("math_learns")  # mean_se, fmt, evaluate, checkpoints: one definition for both math experiments
 
 
 # --- pure: arms, windows, aggregation (tests/test_offpolicy_study.py) ----------------------------------------------
@@ -206,12 +215,65 @@ def heldout_success(task: Task, ckpt: Path, n_eval: int) -> float:
                     env_params=task.env_params)["success_rate"]  # fmt: skip
 
 
+def run_path(run) -> Path:
+    return ROOT / run.run_dir if not Path(run.run_dir).is_absolute() else Path(run.run_dir)
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """A run's checkpoints that were written to the end (``checkpoint_complete.json``), by step."""
+    return [c for c in ml.checkpoints(run_dir) if (c / "checkpoint_complete.json").is_file()]
+
+
+def eval_key(ckpt: Path, n_eval: int) -> str:
+    """The evaluation cache's key (evals.json): the checkpoint relative to the repository, and the level count."""
+    return f"{ckpt.relative_to(ROOT)}|{n_eval}"
+
+
+def pending(runs, evals: dict, n_eval: int) -> dict[str, Path]:
+    """The complete checkpoints of ``runs`` that the cache ``evals`` has no evaluation of, by cache key."""
+    return {eval_key(c, n_eval): c for run in runs for c in complete_checkpoints(run_path(run))
+            if eval_key(c, n_eval) not in evals}  # fmt: skip
+
+
+def _evaluate_one(job: tuple[str, str, int]) -> float:
+    """``heldout_success`` in a worker process of ``evaluate_pending`` (one torch thread each)."""
+    import torch
+
+    torch.set_num_threads(1)
+    name, ckpt, n_eval = job
+    return heldout_success(TASKS[name], Path(ckpt), n_eval)
+
+
+def evaluate_pending(task: Task, todo: dict[str, Path], evals: dict, n_eval: int, jobs: int) -> None:
+    """Evaluate the pending checkpoints ``todo`` in ``jobs`` processes, caching each result in ``evals`` and
+    evals.json as it arrives (an interrupted report keeps what it finished)."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+
+    # A spawned worker imports this module by the name it has here: __main__ as a script, else "offpolicy_study"
+    # (the tests'), which it finds on the sys.path it copies from this process when it starts.
+    here = str(Path(__file__).resolve().parent)
+    added = here not in sys.path
+    if added:
+        sys.path.append(here)
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(_evaluate_one, (task.name, str(c), n_eval)): key for key, c in todo.items()}
+            for done, fut in enumerate(as_completed(futures), 1):
+                evals[futures[fut]] = fut.result()
+                task.evals.write_text(json.dumps(evals, indent=1))
+                print(f"[evaluate] {done}/{len(todo)} {futures[fut]}: {evals[futures[fut]]:.3f}", flush=True)
+    finally:
+        if added:
+            sys.path.remove(here)
+
+
 def run_record(task: Task, run, evals: dict, n_eval: int) -> dict:
     """Status, logs and held-out greedy success at each complete checkpoint of one planned run."""
     from trl_ext.runs.checkpoints import latest_complete
     from trl_ext.runs.provenance import read_start_weights, start_id
 
-    run_dir = ROOT / run.run_dir if not Path(run.run_dir).is_absolute() else Path(run.run_dir)
+    run_dir = run_path(run)
     summary = run_dir / "run_summary.json"
     status = json.loads(summary.read_text()).get("status") if summary.is_file() else "not finished"
     start = read_start_weights(run_dir)  # a distillation run's teacher is part of its start (provenance.start_id)
@@ -221,10 +283,8 @@ def run_record(task: Task, run, evals: dict, n_eval: int) -> dict:
     if last is None:
         return rec
     rec["logs"] = [h for h in json.loads((last / "trainer_state.json").read_text())["log_history"] if "reward" in h]
-    for ckpt in ml.checkpoints(run_dir):
-        if not (ckpt / "checkpoint_complete.json").is_file():
-            continue
-        key = f"{ckpt.relative_to(ROOT)}|{n_eval}"
+    for ckpt in complete_checkpoints(run_dir):
+        key = eval_key(ckpt, n_eval)
         if key not in evals:
             evals[key] = heldout_success(task, ckpt, n_eval)
             task.evals.write_text(json.dumps(evals, indent=1))
@@ -329,51 +389,11 @@ def final_stats(done: list[dict], step: int) -> tuple[float, float] | None:
 
 
 def plot(task: Task, by_group: dict[str, list[dict]], marks: list[int], path: Path) -> None:
-    """Held-out success at the last step: against k (no masks, default masks strict and in-flight), per rescue at
-    k = 16 and beyond, and against the learning rate in the calibration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """The report's figure (experiments/offpolicy_plot.py) from every arm's held-out mean and SE at the last step."""
     end = marks[-1]
     arms = {a: done for g in by_group.values() for a, done, _ in arm_rows(g)}
-    fig, (ax_k, ax_r, ax_lr) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [1, 1.3, 0.8]})
-    for label, pick in (("strict, no masks", lambda a: a.endswith("strict, no masks") or a == "k=0 sync"),
-                        ("strict, default masks", lambda a: a.endswith("strict, default masks")),
-                        ("in-flight, default masks", lambda a: a.endswith("in-flight, default masks"))):
-        pts = sorted((int(a.split()[0][2:]), st) for a, d in arms.items() if pick(a) and (st := final_stats(d, end)))
-        if pts:
-            ax_k.errorbar([k for k, _ in pts], [m for _, (m, _) in pts], [se for _, (_, se) in pts], marker="o",
-                          capsize=3, label=label)  # fmt: skip
-    ax_k.set_xscale("symlog", linthresh=1)
-    ax_k.set_xlabel("policy lag k (max_async_level)")
-    ax_k.set_ylabel(f"held-out greedy {task.metric} @{end}")
-    ax_k.legend(fontsize=8)
-    rescues = [(a, st) for a, d in arms.items() if ("+" in a or "MIS" in a) and a[2:4] in ("16", "32", "64")
-               and "lr" not in a and (st := final_stats(d, end))]  # fmt: skip
-    if rescues:
-        ax_r.barh(range(len(rescues)), [m for _, (m, _) in rescues], xerr=[se for _, (_, se) in rescues], capsize=2)
-        ax_r.set_yticks(range(len(rescues)), [a for a, _ in rescues], fontsize=7)
-        ax_r.invert_yaxis()
-        for ref, style in (("k=0 sync", "-"), ("k=16 strict, no masks", "--"), ("k=16 strict, default masks", ":")):
-            if ref in arms and (st := final_stats(arms[ref], end)):
-                ax_r.axvline(st[0], color="k", linestyle=style, label=ref)
-        ax_r.legend(fontsize=7)
-    ax_r.set_xlabel(f"held-out greedy {task.metric} @{end}")
-    for label, prefix in (("k=0 sync", "k=0 sync, lr "), ("k=16 strict, no masks", "k=16 strict, no masks, lr ")):
-        pts = sorted((float(a[len(prefix):]), st) for a, d in arms.items() if a.startswith(prefix)
-                     and (st := final_stats(d, end)))  # fmt: skip
-        if pts:
-            ax_lr.errorbar([x for x, _ in pts], [m for _, (m, _) in pts], [se for _, (_, se) in pts], marker="o",
-                           capsize=3, label=label)  # fmt: skip
-    ax_lr.set_xscale("log")
-    ax_lr.set_xlabel("learning rate (calibration)")
-    ax_lr.set_ylabel(f"held-out greedy {task.metric} @{end}")
-    ax_lr.legend(fontsize=8)
-    fig.suptitle(f"Off-policy study on {task.title} (mean ± SE over seeds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    stats = {a: st for a, done in arms.items() if (st := final_stats(done, end))}
+    _load("offpolicy_plot").plot(f"{task.title}, {task.device}", task.metric, stats, end, path)
 
 
 def main() -> None:
@@ -382,7 +402,10 @@ def main() -> None:
     p.add_argument("--groups", nargs="+", choices=[g for t in TASKS.values() for g in t.groups],
                    help="print a subset of the task's groups and write nothing (default: all, written)")  # fmt: skip
     p.add_argument("--n_eval", type=int, default=N_EVAL, help="held-out levels per evaluation")
+    p.add_argument("--jobs", type=int, default=1, help="processes evaluating checkpoints at once (one thread each)")
     args = p.parse_args()
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     task = TASKS[args.task]
     groups = args.groups or list(task.groups)
     if not set(groups) <= set(task.groups):
@@ -392,7 +415,11 @@ def main() -> None:
     torch.set_num_threads(1)
     evals = json.loads(task.evals.read_text()) if task.evals.is_file() else {}
     task.evals.parent.mkdir(parents=True, exist_ok=True)
-    records = {g: [run_record(task, run, evals, args.n_eval) for run in planned(g)] for g in groups}
+    plans = {g: planned(g) for g in groups}
+    if args.jobs > 1:
+        evaluate_pending(task, pending([r for rs in plans.values() for r in rs], evals, args.n_eval), evals,
+                         args.n_eval, args.jobs)  # fmt: skip
+    records = {g: [run_record(task, run, evals, args.n_eval) for run in rs] for g, rs in plans.items()}
     archive = archived(RESULTS / f"{task.results}.json")
     steps = max((max(r["heldout"]) for rs in records.values() for r in rs if r["heldout"]), default=0)
     steps = max([steps] + [max(r["heldout"]) for r in archive.values() if r["heldout"]])
@@ -403,7 +430,7 @@ def main() -> None:
     n_archived = sum(r.get("from_archive", False) for rs in by_group.values() for r in rs)
     marks = [steps // 3, 2 * steps // 3, steps]
     short = "acc" if task.metric == "accuracy" else task.metric
-    lines = [f"# Off-policy study in miniature ({task.title}, CPU)", "",
+    lines = [f"# Off-policy study in miniature ({task.title}, {task.device})", "",
              f"Generated by `uv run python experiments/offpolicy_study.py --task {task.name}`; numbers as measured, "
              f"mean ± standard error over seeds. Held-out {short} @s: greedy {task.metric} of the policy after s "
              f"steps on {args.n_eval} held-out levels. Batch success / reward / invalid @{steps}: logged steps in "

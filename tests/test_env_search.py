@@ -298,3 +298,21 @@ def test_grpo_two_steps_on_search(env_model, tmp_path):
     logs = [r for r in state["log_history"] if "loss" in r]
     assert [r["step"] for r in logs] == [1, 2] and all(math.isfinite(r["loss"]) for r in logs)
     assert all("env/first_action/search" in r and 1 <= r["env/turns"] <= 3 for r in logs)
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, "cpu"), ("cuda", "cuda")])
+def test_bm25s_import_keeps_jax_off_the_gpu_unless_the_caller_chose(preset, expected):
+    """bm25s runs a JAX op at import where JAX is installed, and JAX would then take 75% of the GPU's memory (a GPU
+    run failed so with CUDA out of memory): the corpus module sets JAX_PLATFORMS=cpu first, keeping a caller's value."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    if preset is not None:
+        env["JAX_PLATFORMS"] = preset
+    code = "import os, environments.search_corpus; print(os.environ['JAX_PLATFORMS'])"
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected

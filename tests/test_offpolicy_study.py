@@ -81,7 +81,67 @@ def test_study_sweeps_plan_the_seed_arms(task, lrs, seeds):
         assert {str(Path(r.run_dir).parent) for r in runs} == {study.TASKS[task].out}, group  # where the report reads
 
 
-@pytest.mark.parametrize("task", ["math", "search"])
+def test_gpu_replication_plans_its_arms_with_the_cpu_study_settings():
+    """The GPU replication plans k = 0, strict k = 16 without masks, with the default masks and with kl_tau 1, 6 seeds
+    each, with the CPU search study's fixed settings (its model, task, batch, steps, rate) apart from the output
+    directory, so that its arms are comparable with the CPU study's."""
+    from trl_ext.sweep import SweepArgs
+    from trl_ext.sweep_plan import build_spec
+
+    t = study.TASKS["search_gpu"]
+    assert t.groups == ("offpolicy_search_gpu_replication",) and t.device != study.TASKS["search"].device
+    runs = study.planned(t.groups[0])
+    labels = Counter(study.arm_of({k: v for k, v in r.values.items() if k != "seed"}) for r in runs)
+    assert labels == {"k=0 sync": 6, "k=16 strict, no masks": 6, "k=16 strict, default masks": 6,
+                      "k=16 strict, no masks + kl_tau 1": 6}  # fmt: skip
+    assert {str(Path(r.run_dir).parent) for r in runs} == {t.out}
+
+    def fixed(group: str) -> dict:
+        spec = build_spec(SweepArgs(config=str(study.SWEEPS / f"{group}.yaml")))
+        return {k: v for k, v in spec.fixed.items() if k != "output_dir"}
+
+    assert fixed(t.groups[0]) == fixed("offpolicy_search_lag_nomask")
+
+
+def test_pending_lists_complete_checkpoints_without_an_evaluation(tmp_path, monkeypatch):
+    """The checkpoints a report still has to evaluate: complete ones (checkpoint_complete.json) whose cache key is
+    not in evals.json; an incomplete checkpoint and an evaluated one are left out."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(study, "ROOT", tmp_path)
+    for run, step, complete in (("a", 50, True), ("a", 100, False), ("b", 50, True), ("b", 100, True)):
+        ckpt = tmp_path / "out" / run / f"checkpoint-{step}"
+        ckpt.mkdir(parents=True)
+        if complete:
+            (ckpt / "checkpoint_complete.json").write_text("{}")
+    runs = [SimpleNamespace(run_dir="out/a"), SimpleNamespace(run_dir="out/b")]
+    evals = {"out/b/checkpoint-50|200": 0.1, "out/b/checkpoint-100|400": 0.2}  # another level count is another key
+    assert study.pending(runs, evals, 200) == {"out/a/checkpoint-50|200": tmp_path / "out/a/checkpoint-50",
+                                               "out/b/checkpoint-100|200": tmp_path / "out/b/checkpoint-100"}
+
+
+@pytest.mark.slow
+def test_parallel_evaluation_equals_the_in_process_one(tmp_path, monkeypatch):
+    """``--jobs``: the worker processes (spawned) give each checkpoint the held-out success the report computes in
+    process, and cache it under its key in evals.json."""
+    import json
+    import shutil
+
+    t = study.TASKS["search_gpu"]
+    model = study.ROOT / "experiments/models/builtin_search-7693a12a"
+    todo = {}
+    for name in ("a", "b"):
+        todo[f"{name}|4"] = tmp_path / name
+        shutil.copytree(model, tmp_path / name)
+    monkeypatch.setattr(study.Task, "evals", property(lambda self: tmp_path / "evals.json"))
+    evals = {}
+    study.evaluate_pending(t, todo, evals, 4, jobs=2)
+    expected = study.heldout_success(t, model, 4)
+    assert evals == {"a|4": expected, "b|4": expected}
+    assert json.loads((tmp_path / "evals.json").read_text()) == evals
+
+
+@pytest.mark.parametrize("task", ["math", "search", "search_gpu"])
 def test_heldout_evaluation_plays_the_trained_task(task):
     """The report evaluates on the environment, parameters, turn limit and turn length the sweeps train with."""
     from environments.base import parse_env_params
@@ -219,7 +279,7 @@ def test_search_study_pins_its_committed_starting_model():
     from trl_ext.sweep_plan import build_spec
 
     models = {build_spec(SweepArgs(config=str(study.SWEEPS / f"{g}.yaml"))).fixed["model"]
-              for g in study.TASKS["search"].groups}  # fmt: skip
+              for name in ("search", "search_gpu") for g in study.TASKS[name].groups}  # fmt: skip
     assert len(models) == 1
     path = study.ROOT / models.pop()
     weights = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()

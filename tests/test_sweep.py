@@ -126,7 +126,7 @@ def test_shipped_sweep_files():
     counts = {"seed004_beta_seed": 3 * 2, "search_group1_batch_rollout": 3 * 3, "search_group2_lr": 4,
               "search_group3_kl": 6, "search_group4_turns_temperature": 3 * 3}  # fmt: skip
     study = {p.stem for p in (ROOT / "sweeps").glob("offpolicy_*.yaml")}  # tests/test_offpolicy_study.py
-    assert len(study) == 2 * 5  # math and search
+    assert len(study) == 2 * 5 + 1  # math and search, and search's GPU replication
     assert sorted(p.stem for p in (ROOT / "sweeps").glob("*.yaml") if p.stem not in study) == sorted(counts)
     for stem, n in counts.items():
         assert len(sw.plan_runs(sw.build_spec(sw.SweepArgs(config=str(ROOT / "sweeps" / f"{stem}.yaml"))))) == n
