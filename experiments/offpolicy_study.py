@@ -46,7 +46,7 @@ import importlib.util
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,13 +83,14 @@ class Task:
         return ROOT / self.out / "evals.json"
 
 
+SEARCH = Task("search", "search, 3 turns, builtin_search build 7693a12a", "search", {"k": 3, "n_pages": 400}, 3, 24,
+              50, "output/offpolicy_search", "offpolicy_search", "success")  # fmt: skip
 TASKS = {t.name: t for t in (
     Task("math", "arithmetic, small operands, builtin_env", "arithmetic", {"max_operand": 4, "max_factor": 3}, 1, 16,
          100, "output/offpolicy_study", "offpolicy_study", "accuracy"),
-    Task("search", "search, 3 turns, builtin_search build 7693a12a", "search", {"k": 3, "n_pages": 400}, 3, 24, 50,
-         "output/offpolicy_search", "offpolicy_search", "success"),
-    Task("search_gpu", "search, 3 turns, builtin_search build 7693a12a", "search", {"k": 3, "n_pages": 400}, 3, 24,
-         50, "output/offpolicy_search_gpu", "offpolicy_search_gpu", "success", ("replication",), "one GPU"),
+    SEARCH,
+    replace(SEARCH, name="search_gpu", out="output/offpolicy_search_gpu", results="offpolicy_search_gpu",
+            kinds=("replication",), device="one GPU"),
 )}  # fmt: skip
 INVALID = {"arithmetic": "answers that are not an integer in the answer format",
            "search": "turns whose action is not search, read (a known title) or answer"}  # fmt: skip
@@ -219,9 +220,11 @@ def run_path(run) -> Path:
     return ROOT / run.run_dir if not Path(run.run_dir).is_absolute() else Path(run.run_dir)
 
 
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """A run's checkpoints that were written to the end (``checkpoint_complete.json``), by step."""
-    return [c for c in ml.checkpoints(run_dir) if (c / "checkpoint_complete.json").is_file()]
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of a run's checkpoints that were written to the end (``trl_ext.runs.checkpoints``), by step."""
+    from trl_ext.runs.checkpoints import list_checkpoints
+
+    return [(step, path) for step, path, complete in list_checkpoints(run_dir) if complete]
 
 
 def eval_key(ckpt: Path, n_eval: int) -> str:
@@ -231,8 +234,8 @@ def eval_key(ckpt: Path, n_eval: int) -> str:
 
 def pending(runs, evals: dict, n_eval: int) -> dict[str, Path]:
     """The complete checkpoints of ``runs`` that the cache ``evals`` has no evaluation of, by cache key."""
-    return {eval_key(c, n_eval): c for run in runs for c in complete_checkpoints(run_path(run))
-            if eval_key(c, n_eval) not in evals}  # fmt: skip
+    todo = {eval_key(c, n_eval): c for run in runs for _, c in complete_checkpoints(run_path(run))}
+    return {key: c for key, c in todo.items() if key not in evals}
 
 
 def _evaluate_one(job: tuple[str, str, int]) -> float:
@@ -244,11 +247,22 @@ def _evaluate_one(job: tuple[str, str, int]) -> float:
     return heldout_success(TASKS[name], Path(ckpt), n_eval)
 
 
+def _cache(task: Task, evals: dict, key: str, value: float, done: int, total: int) -> None:
+    evals[key] = value
+    task.evals.write_text(json.dumps(evals, indent=1))
+    print(f"[evaluate] {done}/{total} {key}: {value:.3f}", flush=True)
+
+
 def evaluate_pending(task: Task, todo: dict[str, Path], evals: dict, n_eval: int, jobs: int) -> None:
-    """Evaluate the pending checkpoints ``todo`` in ``jobs`` processes, caching each result in ``evals`` and
-    evals.json as it arrives (an interrupted report keeps what it finished)."""
+    """Evaluate the pending checkpoints ``todo`` (in this process, or in ``jobs`` spawned ones), caching each result
+    in ``evals`` and evals.json as it arrives (an interrupted report keeps what it finished)."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
+
+    if jobs == 1:
+        for done, (key, ckpt) in enumerate(todo.items(), 1):
+            _cache(task, evals, key, heldout_success(task, ckpt, n_eval), done, len(todo))
+        return
 
     # A spawned worker imports this module by the name it has here: __main__ as a script, else "offpolicy_study"
     # (the tests'), which it finds on the sys.path it copies from this process when it starts.
@@ -260,16 +274,15 @@ def evaluate_pending(task: Task, todo: dict[str, Path], evals: dict, n_eval: int
         with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
             futures = {pool.submit(_evaluate_one, (task.name, str(c), n_eval)): key for key, c in todo.items()}
             for done, fut in enumerate(as_completed(futures), 1):
-                evals[futures[fut]] = fut.result()
-                task.evals.write_text(json.dumps(evals, indent=1))
-                print(f"[evaluate] {done}/{len(todo)} {futures[fut]}: {evals[futures[fut]]:.3f}", flush=True)
+                _cache(task, evals, futures[fut], fut.result(), done, len(todo))
     finally:
         if added:
             sys.path.remove(here)
 
 
-def run_record(task: Task, run, evals: dict, n_eval: int) -> dict:
-    """Status, logs and held-out greedy success at each complete checkpoint of one planned run."""
+def run_record(run, evals: dict, n_eval: int) -> dict:
+    """Status, logs and held-out greedy success (from ``evals``, filled by ``evaluate_pending``) at each complete
+    checkpoint of one planned run."""
     from trl_ext.runs.checkpoints import latest_complete
     from trl_ext.runs.provenance import read_start_weights, start_id
 
@@ -283,12 +296,11 @@ def run_record(task: Task, run, evals: dict, n_eval: int) -> dict:
     if last is None:
         return rec
     rec["logs"] = [h for h in json.loads((last / "trainer_state.json").read_text())["log_history"] if "reward" in h]
-    for ckpt in complete_checkpoints(run_dir):
-        key = eval_key(ckpt, n_eval)
-        if key not in evals:
-            evals[key] = heldout_success(task, ckpt, n_eval)
-            task.evals.write_text(json.dumps(evals, indent=1))
-        rec["heldout"][int(ckpt.name.split("-")[1])] = evals[key]
+    for step, ckpt in complete_checkpoints(run_dir):
+        if (key := eval_key(ckpt, n_eval)) in evals:
+            rec["heldout"][step] = evals[key]
+        else:  # completed after the evaluation pass (a run still training): the next report evaluates it
+            print(f"[evaluate] {key}: completed after the evaluation pass, left out of this report", flush=True)
     return rec
 
 
@@ -416,10 +428,9 @@ def main() -> None:
     evals = json.loads(task.evals.read_text()) if task.evals.is_file() else {}
     task.evals.parent.mkdir(parents=True, exist_ok=True)
     plans = {g: planned(g) for g in groups}
-    if args.jobs > 1:
-        evaluate_pending(task, pending([r for rs in plans.values() for r in rs], evals, args.n_eval), evals,
-                         args.n_eval, args.jobs)  # fmt: skip
-    records = {g: [run_record(task, run, evals, args.n_eval) for run in rs] for g, rs in plans.items()}
+    todo = pending([r for rs in plans.values() for r in rs], evals, args.n_eval)
+    evaluate_pending(task, todo, evals, args.n_eval, args.jobs)
+    records = {g: [run_record(run, evals, args.n_eval) for run in rs] for g, rs in plans.items()}
     archive = archived(RESULTS / f"{task.results}.json")
     steps = max((max(r["heldout"]) for rs in records.values() for r in rs if r["heldout"]), default=0)
     steps = max([steps] + [max(r["heldout"]) for r in archive.values() if r["heldout"]])
