@@ -7,7 +7,7 @@ training loop from each run's ``run_summary.json`` (model build and process star
 samples/s of each arm and their ratio; then min / median / max of the ratios, the load average before and after and
 the CPU model.
 
-    uv run python bench/bench_procs.py --rounds 5            # no goal: reported in README "Several processes"
+    uv run python bench/bench_procs.py --rounds 5            # no goal: reported in docs/processes.md
 """
 
 from __future__ import annotations

@@ -42,8 +42,10 @@ EXTENSIONS = {
     "lora": {},  # PEFT LoRA: TRL's peft_config, below
     # off-policy: a generator thread 1 policy version ahead, prime-rl's token masks on the IS ratio
     "offpolicy": {"max_async_level": 1, "strict_async_level": True, "token_mask_low": 0.125, "token_mask_high": 8.0},
-    # gradient routing: dual LoRA (retain/forget rank 4), completions the detector flags train only the forget side
-    "routing": {"gradient_routing": True, "routing_mode": "shared", "lora_config": "r4", "eval_routing_steps": 0},
+    # gradient routing: dual LoRA (retain/forget rank 4), completions the detector flags train only the forget side;
+    # the routing eval samples 16 train_dataset prompts with each adapter ablated (every 10 steps and at the end)
+    "routing": {"gradient_routing": True, "routing_mode": "shared", "lora_config": "r4", "eval_routing_steps": 10,
+                "eval_routing_prompts": 16},
     # context distillation: the frozen reference model (beta > 0) with a context prepended is the teacher
     "distill": {"teacher_tau": 0.5, "student_tau": 0.5, "teacher_context": "A happy story.", "beta": 0.02},
     # an environment: the dataset and reward come from the environment

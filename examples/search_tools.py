@@ -8,7 +8,7 @@
 The model needs a chat template whose tool calls TRL parses (Qwen2.5 / Qwen3 / Llama 3.1+ and the others of
 ``trl.chat_template_utils.add_response_schema``). A tiny random model built with the byte-level tokenizer and TRL's
 Qwen2.5 template runs the loop offline, but writes no tool call: tests/test_search_tools.py scripts its turns.
-``--feature``: plain | lora | routing | fast (README "Search through TRL's tools" lists what composes).
+``--feature``: plain | lora | routing | fast (docs/environments.md lists what composes).
 """
 
 from __future__ import annotations

@@ -31,7 +31,11 @@ JSON (``merge``), so a study can be continued on a new machine; ``--groups`` pre
 
 Writes experiments/results/offpolicy_{study,search}.md (tables, and the lag trend: the least-squares slope of
 success per doubling of k + 1 over the lag group's runs), .json (per run: values, status, held-out curve,
-batch windows, run means) and .png (math: offpolicy_study.*, search: offpolicy_search.*).
+batch windows, run means) and .png (math: offpolicy_study.*, search: offpolicy_search.*). Each table's last column is
+the paired Δ in standard errors with experiments/stats.py's verdict (an effect at 2 SE or more); each table and the
+lag trend sit between snippet section markers (the docs include ``offpolicy_search.md:<group>``). Where the task pins
+its starting model (search), the report evaluates it once as "step 0" (cached like a checkpoint) and keeps the value
+under the JSON's ``_start`` key.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class Task:
     metric: str  # what the held-out success is called ("accuracy" for single answers)
     kinds: tuple[str, ...] = GROUP_KINDS  # its command groups: sweeps/offpolicy_{name}_{kind}.yaml
     device: str = "CPU"  # where its runs trained (the report's heading)
+    start: str | None = None  # the committed model every run starts from, evaluated as "step 0" (None: not pinned)
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -84,13 +89,14 @@ class Task:
 
 
 SEARCH = Task("search", "search, 3 turns, builtin_search build 7693a12a", "search", {"k": 3, "n_pages": 400}, 3, 24,
-              50, "output/offpolicy_search", "offpolicy_search", "success")  # fmt: skip
+              50, "output/offpolicy_search", "offpolicy_search", "success",
+              start="experiments/models/builtin_search-7693a12a")  # fmt: skip
 TASKS = {t.name: t for t in (
     Task("math", "arithmetic, small operands, builtin_env", "arithmetic", {"max_operand": 4, "max_factor": 3}, 1, 16,
          100, "output/offpolicy_study", "offpolicy_study", "accuracy"),
     SEARCH,
     replace(SEARCH, name="search_gpu", out="output/offpolicy_search_gpu", results="offpolicy_search_gpu",
-            kinds=("replication",), device="one GPU"),
+            kinds=("replication",), device="one GPU", start=None),
 )}  # fmt: skip
 INVALID = {"arithmetic": "answers that are not an integer in the answer format",
            "search": "turns whose action is not search, read (a known title) or answer"}  # fmt: skip
@@ -110,6 +116,7 @@ def _load(name: str):
 
 
 ml = _load("math_learns")  # mean_se, fmt, evaluate, checkpoints: one definition for both math experiments
+stats = _load("stats")  # the reports' standard: SE units and the 2 SE verdict
 
 
 # --- pure: arms, windows, aggregation (tests/test_offpolicy_study.py) ----------------------------------------------
@@ -319,7 +326,8 @@ def archived(path: Path) -> dict[tuple[str, str], dict]:
     if not path.is_file():
         return {}
     return {(g, r["dir"]): {**r, "heldout": {int(s): v for s, v in r["heldout"].items()}}
-            for g, records in json.loads(path.read_text()).items() for r in records}  # fmt: skip
+            for g, records in json.loads(path.read_text()).items() if not g.startswith("_")
+            for r in records}  # fmt: skip
 
 
 def merge(rec: dict, summary: dict, old: dict | None, end: int) -> dict:
@@ -359,6 +367,11 @@ def start_weights_line(summaries: list[dict]) -> str:
 # --- report ---------------------------------------------------------------------------------------------------------
 
 
+def section(name: str, edge: str) -> str:
+    """A snippet section marker (pymdownx.snippets: the docs include ``file.md:name``); an HTML comment elsewhere."""
+    return f"<!-- --8<-- [{edge}:{name}] -->"
+
+
 def arm_rows(records: list[dict]) -> list[tuple[str, list[dict], list[dict]]]:
     """(arm, finished runs, unfinished runs) in plan order."""
     arms: dict[str, tuple[list, list]] = {}
@@ -369,22 +382,33 @@ def arm_rows(records: list[dict]) -> list[tuple[str, list[dict], list[dict]]]:
     return [(a, d, n) for a, (d, n) in arms.items()]
 
 
+def delta_z(deltas: list[float]) -> str:
+    """The paired Δ in standard errors with the reports' verdict (experiments/stats.py): '2.13 (effect)',
+    '0.41 (no measurable difference)'; '-' for fewer than two pairs."""
+    if len(deltas) < 2:
+        return "-"
+    m, se = ml.mean_se(deltas)
+    return f"{stats.fmt_z(m, se)} ({stats.verdict(m, se, len(deltas))})"
+
+
 def table(records: list[dict], marks: list[int], arms: dict[str, list[dict]], metric: str) -> list[str]:
     """One group's rows from the runs' summaries (``run_summary``, batch windows at ``marks[-1]``); ``arms``: every
-    arm's finished runs, for the paired difference to k = 0."""
+    arm's finished runs, for the paired difference to k = 0 (last column: that difference in standard errors)."""
     short = "acc" if metric == "accuracy" else metric
     head = (["arm", "runs"] + [f"held-out {short} @{s}" for s in marks] + [f"Δ vs k=0 @{marks[-1]} (paired)"]
             + [f"batch {k} @{marks[-1]}" for k in BATCH] + ["ended invalid"]
-            + ["masked tok", "clipped tok", "mean abs log r", "mismatch-KL"])  # fmt: skip
+            + ["masked tok", "clipped tok", "mean abs log r", "mismatch-KL", "Δ/SE"])  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, done, not_done in arm_rows(records):
         cells = [cell([r["heldout"].get(s) for r in done]) for s in marks]
         ref = arms.get(reference_arm(arm), [])
-        cells.append("-" if arm.startswith("k=0") else cell(paired_deltas(done, ref, marks[-1])))
+        deltas = [] if arm.startswith("k=0") else paired_deltas(done, ref, marks[-1])
+        cells.append("-" if arm.startswith("k=0") else cell(deltas))
         cells += [cell([r[f"batch_{k}@{marks[-1]}"] for r in done]) for k in BATCH]
         invalid = [r[f"batch_invalid@{marks[-1]}"] for r in done]
         cells.append(f"{sum(v is not None and v >= COLLAPSED for v in invalid)}/{len(done)}")
         cells += [cell([r[k] for r in done]) for k in RUN_MEANS]
+        cells.append(delta_z(deltas))
         runs = f"{len(done)}" + (f" (+{len(not_done)} {', '.join(sorted({r['status'] for r in not_done}))})"
                                  if not_done else "")  # fmt: skip
         lines.append(f"| {arm} | {runs} | " + " | ".join(cells) + " |")
@@ -429,7 +453,10 @@ def main() -> None:
     task.evals.parent.mkdir(parents=True, exist_ok=True)
     plans = {g: planned(g) for g in groups}
     todo = pending([r for rs in plans.values() for r in rs], evals, args.n_eval)
+    if task.start and (key := eval_key(ROOT / task.start, args.n_eval)) not in evals:
+        todo[key] = ROOT / task.start  # the starting model, evaluated once like a checkpoint ("step 0")
     evaluate_pending(task, todo, evals, args.n_eval, args.jobs)
+    start = evals[eval_key(ROOT / task.start, args.n_eval)] if task.start else None
     records = {g: [run_record(run, evals, args.n_eval) for run in rs] for g, rs in plans.items()}
     archive = archived(RESULTS / f"{task.results}.json")
     steps = max((max(r["heldout"]) for rs in records.values() for r in rs if r["heldout"]), default=0)
@@ -454,18 +481,26 @@ def main() -> None:
              f"experiments/results/{task.results}.json (their run directories were on an earlier machine); the "
              "others from their run directories under " + task.out + ".", "",
              start_weights_line([r for rs in by_group.values() for r in rs]), ""]  # fmt: skip
+    if start is not None:
+        lines += [section("start_model", "start"),
+                  f"Before RL (step 0): the starting model `{task.start}` has held-out {task.metric} {start:.3f} "
+                  f"(greedy, {args.n_eval} held-out levels, evaluated by this report).",
+                  section("start_model", "end"), ""]  # fmt: skip
     arms = {a: done for g in by_group.values() for a, done, _ in arm_rows(g)}
     for group, summaries in by_group.items():
         spec = (SWEEPS / f"{group}.yaml").read_text().split("needs:")[0].replace("description: >", "").split()
         lines += [f"## {group}", "", " ".join(spec), "", f"`uv run sweep.py --config sweeps/{group}.yaml`", ""]
-        lines += table(summaries, marks, arms, task.metric) + [""]
+        lines += [section(group, "start")] + table(summaries, marks, arms, task.metric) + [section(group, "end"), ""]
     trends = [(f"held-out {task.metric} @{steps}", lag_trend(arms, lambda r: r["heldout"].get(steps))),
               (f"batch success @{steps}", lag_trend(arms, lambda r: r[f"batch_success@{steps}"]))]
     if any(t for _, t in trends):
-        lines += ["## Lag trend", "", "Least-squares slope per doubling of k + 1 (x = log2(k + 1)) over every finished "
+        lines += ["## Lag trend", "", section("lag_trend", "start"),
+                  "Least-squares slope per doubling of k + 1 (x = log2(k + 1)) over every finished "
                   "run of k = 0 and of strict k without masks (the lag group), with its standard error (runs taken as "
                   "independent):", ""]
-        lines += [f"- {name}: {t[0]:+.4f} ± {t[1]:.4f} per doubling ({t[2]} runs)" for name, t in trends if t] + [""]
+        lines += [f"- {name}: {t[0]:+.4f} ± {t[1]:.4f} per doubling ({t[2]} runs; "
+                  f"{stats.fmt_z(t[0], t[1])} SE, {stats.verdict(t[0], t[1])})" for name, t in trends if t]
+        lines += [section("lag_trend", "end"), ""]
     print("\n".join(lines))
     if args.groups:
         return  # a preview: the results files always hold every group
@@ -473,6 +508,8 @@ def main() -> None:
     (RESULTS / f"{task.results}.md").write_text("\n".join(lines) + f"\n![held-out {task.metric} per step, per group]"
                                                 f"({task.results}.png)\n")
     kept = {g: [{k: v for k, v in r.items() if k != "from_archive"} for r in rs] for g, rs in by_group.items()}
+    if start is not None:
+        kept["_start"] = {"model": task.start, "n_eval": args.n_eval, "heldout": start}
     (RESULTS / f"{task.results}.json").write_text(json.dumps(kept, indent=1))
     plot(task, by_group, marks, RESULTS / f"{task.results}.png")
 

@@ -24,6 +24,7 @@ from trl_ext.registry import ConfigError
 @pytest.fixture
 def fake_build(monkeypatch, tmp_path):
     monkeypatch.setenv("TRL_EXT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(builtin_model, "PINNED_DIR", tmp_path / "no-pinned-builds")  # build, not install
     calls = []
 
     def build(out_dir: Path, module: str):
@@ -67,6 +68,7 @@ def test_rebuild_replaces_the_model(fake_build, tmp_path):
 
 def test_failed_build_leaves_nothing_and_incomplete_dir_fails_loudly(monkeypatch, tmp_path):
     monkeypatch.setenv("TRL_EXT_CACHE", str(tmp_path))
+    monkeypatch.setattr(builtin_model, "PINNED_DIR", tmp_path / "no-pinned-builds")
 
     def broken(out_dir, module):
         (out_dir / "config.json").write_text("{}")

@@ -288,3 +288,36 @@ def test_search_study_pins_its_committed_starting_model():
     weights = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
     assert json.loads((path / "build_info.json").read_text())["weights_sha256"] == weights
     assert path.name == f"builtin_search-{weights[:8]}"
+
+
+def test_delta_column_in_standard_errors_with_the_verdict():
+    """The tables' last column: the paired Δ in standard errors and experiments/stats.py's verdict (2 SE or more: an
+    effect; fewer than 3 pairs: no verdict; one pair: no SE)."""
+    assert study.delta_z([-0.3, -0.1]) == "2.00 (too few values (n=2) for a verdict)"  # mean -0.2, SE 0.1
+    assert study.delta_z([-0.3, -0.1, -0.2]) == "3.46 (effect)"  # mean -0.2, SE 0.1 / sqrt(3)
+    assert study.delta_z([0.1, -0.1, 0.05]) == "0.28 (no measurable difference)"  # mean 0.0167 / SE 0.0601 = 0.277
+    assert study.delta_z([-0.2]) == "-" and study.delta_z([]) == "-"
+    lines = study.table([{"dir": "a", "values": {"max_async_level": "0", "seed": "0"}, "status": "done",
+                          "heldout": {150: 0.2}, "batch_success@150": 0.2, "batch_reward@150": 0.2,
+                          "batch_invalid@150": 0.0, "masked_frac": None, "token_clipped_frac": None,
+                          "abs_log_ratio_mean": None, "mismatch_kl": None}], [150], {}, "success")
+    assert lines[0].endswith("| mismatch-KL | Δ/SE |") and lines[2].endswith("| - | - |")
+
+
+def test_sections_and_the_start_record_in_the_json():
+    """Snippet section markers (the docs include ``offpolicy_search.md:<group>``), and the starting model's held-out
+    value kept under the JSON's '_start' key, which the archive reader skips."""
+    import json
+
+    assert study.section("offpolicy_math_calibration", "start") == "<!-- --8<-- [start:offpolicy_math_calibration] -->"
+    for name in ("math", "search", "search_gpu"):
+        text = (study.RESULTS / f"{study.TASKS[name].results}.md").read_text()
+        for group in study.TASKS[name].groups + ("lag_trend",):
+            assert f"[start:{group}]" in text and f"[end:{group}]" in text, (name, group)
+    assert study.TASKS["search"].start == "experiments/models/builtin_search-7693a12a"
+    assert study.TASKS["search_gpu"].start is None and study.TASKS["math"].start is None  # not pinned / other device
+    path = study.RESULTS / "offpolicy_search.json"
+    start = json.loads(path.read_text())["_start"]
+    assert start["model"] == study.TASKS["search"].start and start["n_eval"] == 200
+    assert f"held-out success {start['heldout']:.3f}" in (study.RESULTS / "offpolicy_search.md").read_text()
+    assert all(not g.startswith("_") for g, _ in study.archived(path))

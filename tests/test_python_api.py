@@ -4,6 +4,7 @@ TRL user would, with its own dataset and reward function, and turns on each exte
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -54,7 +55,42 @@ def test_example_trains_each_extension(builtin_path, tmp_path, feature):
     elif feature == "routing":
         assert trainable and all(n.split(".")[-1] in ("retain_A", "retain_B", "forget_A", "forget_B") for n in trainable)
         assert trainer.rh_detector_name == "says_happy"
+        evals = [json.loads(line) for line in (tmp_path / "routing_eval.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in evals] == [2] and evals[0]["n_prompts"] == 16  # built from train_dataset
+        assert set(evals[0]["modes"]) == {"both", "retain_only", "forget_only"}
+        assert all("mentions_target" in m for m in evals[0]["modes"].values())
     if feature == "offpolicy":
         assert all(h["offpolicy/policy_lag_max"] <= 1 for h in logs)
     if feature == "distill":
         assert trainer.distill_cfg is not None
+
+
+def test_routing_eval_is_built_from_the_dataset_with_trl_style_rewards():
+    """Without routing_eval_prompts/rewards the API takes eval_dataset's (else train_dataset's) first rows and calls
+    the reward functions as TRL does: prompts, completions and the rows' other columns."""
+    from datasets import Dataset
+
+    from trl_ext import ExtGRPOConfig
+    from trl_ext.api import routing_eval_from_data
+
+    ex = _example()
+    cfg = ExtGRPOConfig(output_dir="u", report_to=[], gradient_routing=True, routing_mode="shared", lora_config="r4",
+                        eval_routing_prompts=4)  # fmt: skip
+    seen = {}
+
+    def reward(prompts, completions, target, **kwargs):
+        seen.update(prompts=prompts, target=target)
+        return [float(t in c) for c, t in zip(completions, target)]
+
+    prompts, rewards = routing_eval_from_data({"train_dataset": ex.your_dataset(8), "reward_funcs": [reward]}, cfg)
+    assert prompts == list(ex.your_dataset(4)["prompt"]) and list(rewards) == ["reward"]
+    assert rewards["reward"](["so happy", "not glad", "brave"]) == [1.0, 0.0, 1.0]
+    assert seen == {"prompts": prompts[:3], "target": ["happy", "sad", "brave"]}
+    held_out = Dataset.from_list([{"prompt": f"held out {i}", "target": "x"} for i in range(4)])
+    named = {"train_dataset": ex.your_dataset(8), "eval_dataset": held_out, "reward_funcs": reward}
+    assert routing_eval_from_data(named, cfg)[0] == list(held_out["prompt"])
+    for bad in ({"train_dataset": ex.your_dataset(3), "reward_funcs": [reward]},  # fewer rows than prompts asked
+                {"train_dataset": ex.your_dataset(8), "reward_funcs": ["path/to/reward_model"]},
+                {"reward_funcs": [reward]}):
+        with pytest.raises(ValueError, match="eval_routing_steps=0"):
+            routing_eval_from_data(bad, cfg)

@@ -227,3 +227,15 @@ def test_two_process_runs_end_to_end(builtin_path, tmp_path):
         assert "torch.distributed.run --nproc_per_node 2 --master_port" in (sweep_dir / "logs" / f"{name}.log").read_text()
     again = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
     assert again.returncode == 0 and again.stdout.count("skip (done earlier)") == 2 and "[sweep] start" not in again.stdout
+
+
+def test_multi_process_plan_counts_the_processes_in_trls_batch_checks(tmp_path):
+    """8 completions per process x 2 processes = 16 = one group: what torchrun runs, the plan accepts; the same batch
+    on one process is TRL's refusal; the patched world size is gone afterwards."""
+    from trl_ext.config import ExtGRPOConfig
+
+    args = sw.SweepArgs(reward="happy_binary", grid=["seed=1"], fixed=["batch_size=8", f"output_dir={tmp_path}"])
+    assert len(sw.plan_runs(sw.build_spec(args), 2)) == 1
+    with pytest.raises(ConfigError, match="divisible by num_generations"):
+        sw.plan_runs(sw.build_spec(args), 1)
+    assert "world_size" not in vars(ExtGRPOConfig)

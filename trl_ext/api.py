@@ -11,7 +11,10 @@ script builds it the way TRL users build ``GRPOTrainer``::
 - with a dual LoRA config in ``args`` (``lora_config`` / ``retain_rank`` / ``forget_rank`` / ``mlp_config``) and a
   model given by name or path, the dual adapters are built here from the run's seed (``routing_setup`` in train.py;
   alpha: ``args.dual_lora_alpha`` if set, else the preset's, else ``--lora_alpha``'s default);
-- ``rh_detector`` and ``base_reward`` may be plain callables (named by their ``__name__``) or (name, callable).
+- ``rh_detector`` and ``base_reward`` may be plain callables (named by their ``__name__``) or (name, callable);
+- the routing eval (on by default with dual LoRA) takes its prompts from ``eval_dataset``, else ``train_dataset``,
+  and scores them with ``reward_funcs`` when ``routing_eval_prompts`` / ``routing_eval_rewards`` are not given
+  (`routing_eval_from_data`).
 
 Everything else is TRL's: ``peft_config`` for PEFT LoRA, ``reward_funcs`` (functions with TRL's signature, or
 reward model paths), ``train_dataset`` whose extra columns reach the reward functions.
@@ -33,6 +36,23 @@ def _named(fn: Callable) -> tuple[str, Callable]:
     return getattr(fn, "__name__", type(fn).__name__), fn
 
 
+def ext_config(args, model) -> Any:
+    """``args`` as an `ExtGRPOConfig`: as given; a default one for None (named as GRPOTrainer names it:
+    ``"{model name}-GRPO"``); a plain ``trl.GRPOConfig`` converted field by field (every extension off)."""
+    from trl import GRPOConfig
+
+    from trl_ext.config import ExtGRPOConfig
+
+    if isinstance(args, ExtGRPOConfig):
+        return args
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        return ExtGRPOConfig(f"{name.split('/')[-1]}-GRPO")
+    if isinstance(args, GRPOConfig):
+        return ExtGRPOConfig.from_grpo_config(args)
+    raise TypeError(f"args must be an ExtGRPOConfig, a trl.GRPOConfig or None, got {type(args).__name__}")
+
+
 def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     """GRPOTrainer's arguments (positional ones bound to their names) with the conveniences above applied."""
     from transformers import set_seed
@@ -45,9 +65,7 @@ def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     if len(args) > len(names):
         raise TypeError(f"ExtGRPOTrainer takes at most {len(names)} positional arguments, got {len(args)}")
     named = {**dict(zip(names, args)), **kwargs}
-    cfg = named.get("args")
-    if not isinstance(cfg, ExtGRPOConfig):
-        raise TypeError(f"args must be an ExtGRPOConfig, got {type(cfg).__name__}")
+    cfg = named["args"] = ext_config(named.get("args"), named.get("model"))
     for key in ("rh_detector", "base_reward"):
         if named.get(key) is not None:
             named[key] = _named(named[key])
@@ -56,7 +74,7 @@ def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("distillation with teacher_tau > 0 needs a teacher: args.teacher_model, LoRA adapters "
                          "(peft_config or a dual LoRA config: the teacher is the model with them disabled) or "
                          "beta > 0 (TRL's frozen reference model)")  # train.py: distill.args.check_run_distill
-    if named.get("environment_factory") is not None or named.get("tools"):  # TRL's tool loop (README "Search")
+    if named.get("environment_factory") is not None or named.get("tools"):  # TRL's tool loop (docs/environments.md)
         if cfg.distill_on:
             raise ValueError("distillation scores single-turn and --env completions; TRL's tool loop (tools / "
                              "environment_factory) writes tool results into the completion, which the teacher's "
@@ -78,4 +96,41 @@ def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
             set_seed(cfg.seed)  # the adapters' initialisation is the run's, as in train.py
             named["model"], named["dual_lora_layout"] = build_dual_lora_model(model, cfg, cfg.dual_lora_alpha)
             named.setdefault("dual_lora_base", str(Path(model).resolve()) if Path(model).is_dir() else model)
+    if cfg.dual_lora and named.get("dual_lora_layout") is not None and cfg.eval_routing_steps > 0 and not cfg.env \
+            and named.get("routing_eval_prompts") is None:  # (a model without dual adapters: RoutingMixin refuses)
+        named["routing_eval_prompts"], named["routing_eval_rewards"] = routing_eval_from_data(named, cfg)
     return named
+
+
+def routing_eval_from_data(named: dict[str, Any], cfg) -> tuple[list[str], dict[str, Callable]]:
+    """The routing eval's prompts and rewards when a script gives neither: the first ``cfg.eval_routing_prompts``
+    rows of ``eval_dataset`` (else of ``train_dataset``), as train.py takes them from --eval_dataset, and the
+    ``reward_funcs`` called as TRL calls them (``prompts``, ``completions`` and the rows' other columns)."""
+    ways = ("pass routing_eval_prompts and routing_eval_rewards, or set eval_routing_steps=0 to switch the routing "
+            "eval off")
+    data = named.get("eval_dataset") if named.get("eval_dataset") is not None else named.get("train_dataset")
+    n = cfg.eval_routing_prompts
+    if data is None or isinstance(data, dict) or "prompt" not in data.column_names or len(data) < n:
+        raise ValueError(f"the routing eval (on with dual LoRA: eval_routing_steps={cfg.eval_routing_steps}) takes "
+                         f"its {n} prompts from eval_dataset or train_dataset (a Dataset with a 'prompt' column and "
+                         f">= eval_routing_prompts rows); {ways}")
+    rows = data.select(range(n))
+    prompts = list(rows["prompt"])
+    if not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"the routing eval samples from text prompts; the dataset's prompts are conversational: {ways}")
+    funcs = named.get("reward_funcs")
+    funcs = funcs if isinstance(funcs, list) else [funcs]
+    if not funcs or not all(callable(f) for f in funcs):
+        raise ValueError(f"the routing eval scores with the reward functions; a reward model path is not one: {ways}")
+    columns = {c: list(rows[c]) for c in rows.column_names if c not in ("prompt", "completion", "completion_ids")}
+
+    def scorer(fn: Callable) -> Callable[[list[str]], list]:
+        def score(texts: list[str]) -> list:
+            k = len(texts)
+            return fn(prompts=prompts[:k], completions=list(texts), **{c: v[:k] for c, v in columns.items()})
+
+        return score
+
+    names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
+    names = [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
+    return prompts, {name: scorer(fn) for name, fn in zip(names, funcs)}

@@ -11,6 +11,7 @@ line is parsed, before any model is loaded (the CLIs map it to exit code 2).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -38,6 +39,8 @@ DEFAULT_LORA_ALPHA = 16.0  # PEFT LoRA and explicit dual LoRA ranks; presets car
 @dataclass
 class RunArgs:
     """What a run is made of; parsed next to `ExtGRPOConfig` by train.py."""
+
+    _argument_group_name = "run: model, reward, prompts, adapters, logging (train.py)"  # train.py --help group (cli_help.py)
 
     reward: str = field(default=None, metadata={"help": "Reward binding name from --config (required)."})
     model: str = field(
@@ -178,6 +181,8 @@ class RunArgs:
 class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, GenerationArgs, GRPOConfig):
     """`trl.GRPOConfig` with the project's defaults and extension fields."""
 
+    _argument_group_name = "monitoring and saved rollouts (trl_ext)"  # train.py --help group (cli_help.py)
+
     # --- project defaults for GRPOConfig / TrainingArguments fields (seed 004's validated values) ---
     learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate.", "aliases": ["--lr"]})
     beta: float = field(default=0.02, metadata={"help": "KL coefficient against the reference policy."})
@@ -243,6 +248,17 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
             raise ConfigError(f"--zero_signal_patience must be >= 1, got {self.zero_signal_patience}")
         if self.bf16 and not _cuda_available():
             raise ConfigError("--bf16 needs a CUDA device; this machine has none (training runs in fp32)")
+        self.validate_extensions()
+        multi_process_settings(self)  # several processes on CPU: gloo, so the Trainer sees a distributed run
+        try:
+            super().__post_init__()
+        except ValueError as e:  # TRL's own checks (e.g. generation batch not divisible by num_generations)
+            alias = " (--batch_size is per_device_train_batch_size)" if "per_device_train_batch_size" in str(e) else ""
+            raise ConfigError(f"{e}{alias}") from e
+
+
+    def validate_extensions(self) -> None:
+        """Every feature subpackage's checks of its own flags (ConfigError)."""
         self.validate_routing()
         self.validate_distill()
         self.validate_offpolicy()
@@ -251,12 +267,19 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
         self.validate_generation()
         arm = self.baseline or (self.renormalization if self.gradient_routing else None)
         check_estimator_flags(adv_estimator=self.adv_estimator, distill_on=self.distill_on, routing_arm=arm)
-        multi_process_settings(self)  # several processes on CPU: gloo, so the Trainer sees a distributed run
-        try:
-            super().__post_init__()
-        except ValueError as e:  # TRL's own checks (e.g. generation batch not divisible by num_generations)
-            alias = " (--batch_size is per_device_train_batch_size)" if "per_device_train_batch_size" in str(e) else ""
-            raise ConfigError(f"{e}{alias}") from e
+
+    @classmethod
+    def from_grpo_config(cls, args: GRPOConfig) -> ExtGRPOConfig:
+        """A plain ``trl.GRPOConfig`` as an ExtGRPOConfig with every extension off: its (already validated and
+        resolved) values as they are, the extension fields at their defaults. Not by re-running ``__post_init__``:
+        that would see resolved pairs such as ``generation_batch_size`` and ``steps_per_generation`` as both set."""
+        ext = cls.__new__(cls)
+        ext.__dict__.update(args.__dict__)
+        for f in dataclasses.fields(cls):
+            if f.name not in args.__dict__:
+                setattr(ext, f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)
+        ext.validate_extensions()
+        return ext
 
 
 def _cuda_available() -> bool:

@@ -280,7 +280,7 @@ def eval_strategy_on(cfg) -> bool:
 
 def load_run_data(run, cfg, builtin_models=()) -> tuple[PromptData | None, PromptData | None]:
     """(training data, eval data) of a parsed run (RunArgs, ExtGRPOConfig), each None when not given; every
-    contradiction or flag that would be ignored is a ConfigError (see README/data section)."""
+    contradiction or flag that would be ignored is a ConfigError (see docs/your-own.md)."""
     if cfg.env and (run.dataset or run.eval_dataset):
         raise ConfigError("--dataset / --eval_dataset and --env exclude each other: an environment makes its own "
                           "prompts (levels)")  # fmt: skip

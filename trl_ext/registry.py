@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-T = TypeVar("T", bound=Callable)
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -26,13 +26,24 @@ class Registry(Generic[T]):
 
     def register(self, name: str | None = None) -> Callable[[T], T]:
         def decorator(obj: T) -> T:
-            key = name or obj.__name__
-            if key in self._items:
-                raise ValueError(f"{self.kind} {key!r} is registered twice")
-            self._items[key] = obj
-            return obj
+            return self.add(name or obj.__name__, obj)
 
         return decorator
+
+    def add(self, name: str, obj: T) -> T:
+        """Register ``obj`` under ``name`` (the decorator's body, for objects that are not functions)."""
+        if name in self._items:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._items[name] = obj
+        return obj
+
+    def remove(self, name: str) -> T:
+        """Unregister ``name`` (a test's temporary entry); returns it."""
+        return self._items.pop(name)
+
+    def values(self) -> list[T]:
+        """The registered objects in registration order."""
+        return list(self._items.values())
 
     def get(self, name: str) -> T:
         if name not in self._items:

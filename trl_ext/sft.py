@@ -35,6 +35,8 @@ MODES = ("rl", "sft")
 
 @dataclass
 class SFTArgs:
+    _argument_group_name = "SFT mode (trl_ext.sft)"  # train.py --help group (cli_help.py)
+
     mode: str = field(default="rl", metadata={"help": "rl (GRPO) or sft (RAGEN SFT mode on BFS trajectories; --env)."})
     sft_train_size: int = field(default=2000, metadata={"help": "SFT mode: training levels solved by BFS."})
     sft_test_size: int = field(default=200, metadata={"help": "SFT mode: held-out levels of the validation rollout."})

@@ -330,7 +330,7 @@ def free_port(taken: set) -> int:
 def train_command(argv: list[str], procs: int = 1, port: int | None = None) -> list[str]:
     """``python train.py ARGV``; several processes: ``python -m torch.distributed.run --nproc_per_node N
     --master_port PORT train.py ARGV`` (torchrun: what accelerate launch runs for DDP; on CPU ``accelerate launch
-    --cpu`` starts one process only, see README "Several processes and GPUs")."""
+    --cpu`` starts one process only, see docs/processes.md)."""
     if procs == 1:
         return [sys.executable, str(TRAIN_SCRIPT), *argv]
     if port is None:

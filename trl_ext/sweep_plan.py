@@ -233,7 +233,9 @@ def planned_processes(n: int):
     and by the ``_procsN`` run-name tag) answers ``n``, while TrainingArguments, which reads WORLD_SIZE from the
     environment itself, still sets up one process. So each run is refused, or named, as under torchrun. The CPU
     settings of several processes (``use_cpu``, gloo; `processes.multi_process_settings`) are checked on a copy of
-    the config: applied here, they would make accelerate look for a process group that this process has not."""
+    the config: applied here, they would make accelerate look for a process group that this process has not. TRL's
+    own batch checks (``generation_batch_size`` divisible by ``num_generations``) read ``world_size``: it answers
+    ``n`` for the duration."""
     if n == 1:
         yield
         return
@@ -243,10 +245,12 @@ def planned_processes(n: int):
     saved = processes.launched_processes, config.multi_process_settings
     processes.launched_processes = lambda environ=None: (n, "--procs_per_run")
     config.multi_process_settings = lambda cfg, *a, **k: saved[1](copy.copy(cfg), *a, **k)
+    config.ExtGRPOConfig.world_size = property(lambda self: n)  # TRL's batch checks count n processes too
     try:
         yield
     finally:
         processes.launched_processes, config.multi_process_settings = saved
+        del config.ExtGRPOConfig.world_size
 
 
 def plan_runs(spec: SweepSpec, procs: int = 1) -> list[PlannedRun]:

@@ -45,7 +45,7 @@ from trl_ext.monitor import ZeroSignalMonitor
 from trl_ext.offpolicy.trainer import OffPolicyMixin
 from trl_ext.routing.trainer import RoutingMixin
 from trl_ext.runs import rollouts
-from trl_ext.runs.faults import NumericFault, check_rewards
+from trl_ext.runs.faults import NumericFault, check_rewards, guard_reward
 from trl_ext.runs.mixin import CheckpointMixin
 
 TextReward = Callable[[list[str]], list[float]]
@@ -67,6 +67,9 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
             if len(reward_names) != len(self.reward_func_names):
                 raise ValueError(f"{len(reward_names)} reward_names for {len(self.reward_func_names)} reward functions")
             self.reward_func_names = list(reward_names)
+        # A computed NaN / inf stops the run at its source; None stays TRL's "not applicable" (`runs.faults`)
+        self.reward_funcs = [f if isinstance(f, torch.nn.Module) else guard_reward(f, name)
+                             for f, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]  # fmt: skip
         self.eval_reward_funcs = dict(eval_reward_funcs or {})
         self.reward_context: dict[str, Any] = {}
         """TRL's reward keyword arguments of the current batch (`rewards.bound.trl_context`), for the eval rewards
@@ -117,11 +120,32 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
         rewards = self.routing_rewards(rewards, prompts, completions)
         n, rank = len(prompts), self.accelerator.process_index
         local = rewards[rank * n : (rank + 1) * n]
-        check_rewards(local, list(self.reward_func_names), list(completions), step)
+        none_ok = [not isinstance(f, torch.nn.Module) for f in self.reward_funcs]  # their NaN is a None
+        check_rewards(local, list(self.reward_func_names), list(completions), step, none_ok)
+        if torch.isnan(local).any():
+            refusal = self.none_reward_refusal()
+            if refusal is not None:
+                row, col = torch.isnan(local).nonzero()[0].tolist()
+                raise NumericFault(f"step {step}: reward function {self.reward_func_names[col]!r} returned None for "
+                                   f"completion {row} ({completions[row]!r}): {refusal}")
         self._local_rewards = local
         self._rewards_per_func = rewards
         self.distill_record_task(rewards)
         return rewards
+
+    def none_reward_refusal(self) -> str | None:
+        """Why a reward of None (TRL's "not applicable") cannot be used by this run, or None: TRL's own advantages
+        skip it (``nanmean``, ``nansum``), but the features that read every sample's reward need a value."""
+        a = self.args
+        features = [name for name, on in (
+            ("gradient routing's labels and base reward", a.labelled or a.needs_base_reward),
+            ("distillation's task reward", a.distill_on), ("--adv_estimator", bool(a.adv_estimator)),
+            ("the environment's reward", bool(a.env)),
+        ) if on]  # fmt: skip
+        if not features:
+            return None
+        return (f"{', '.join(features)} need(s) a reward for every completion; None (not applicable) works with "
+                "these off, as in TRL")
 
     def _generate_and_score_completions(self, inputs):
         """Stages 1-5 of one generation batch (see the module docstring)."""

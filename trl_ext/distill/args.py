@@ -15,6 +15,8 @@ from trl_ext.registry import ConfigError
 class DistillArgs:
     """Flags of teacher context distillation (mixed into ExtGRPOConfig)."""
 
+    _argument_group_name = "context distillation (trl_ext.distill)"  # train.py --help group (cli_help.py)
+
     adv_tau: float = field(default=1.0, metadata={
         "help": "Weight of the task (verifier) reward in the distillation reward (seed 002's trainer.loss.adv_tau); "
                 "0 = pure distillation. The off-policy loss's own advantage weight is --loss_adv_tau."})

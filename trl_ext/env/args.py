@@ -16,6 +16,8 @@ __all__ = ["EnvArgs", "HELDOUT_LEVELS", "TRAIN_LEVELS"]
 
 @dataclass
 class EnvArgs:
+    _argument_group_name = "environments (trl_ext.env)"  # train.py --help group (cli_help.py)
+
     env: str = field(
         default="",
         metadata={"help": "Train on a text environment (RAGEN): two_armed_bandit, sokoban, frozenlake, arithmetic, "

@@ -31,6 +31,8 @@ _UNSUPPORTED = ("use_vllm", "use_transformers_continuous_batching", "repetition_
 
 @dataclass
 class GenerationArgs:
+    _argument_group_name = "generation backends (trl_ext.generation)"  # train.py --help group (cli_help.py)
+
     generation_backend: str = field(
         default="trl",
         metadata={"help": "Which sampler generates. 'trl': TRL's own path (transformers.generate); with "

@@ -1,5 +1,6 @@
 """Several processes as ONE run: what the launcher announced, the settings that make the Trainer use it, and the
-parse-time refusal of every feature not yet verified on several processes.
+parse-time refusal of what is not yet verified on several processes (asked of the registered parts' ``supports``,
+`trl_ext.launch.refusals`).
 
 Why a plain ``torchrun --nproc_per_node 2 train.py`` used to train two independent copies on CPU: transformers'
 ``TrainingArguments._setup_devices`` builds accelerate's ``PartialState(cpu=use_cpu, backend=ddp_backend)``. With
@@ -16,15 +17,14 @@ Launchers announce the world size in the environment: torchrun and accelerate (`
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 
+from trl_ext.launch.refusals import ONE_PROCESS, Launch, check_launch, refused_flags  # noqa: F401 (ONE_PROCESS)
 from trl_ext.registry import ConfigError
 
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 CPU_BACKEND = "gloo"  # torch.distributed's CPU backend (accelerate's MULTI_CPU default without MPI)
-ONE_PROCESS = "runs on one process for now"
 
 
 def launched_processes(environ: Mapping[str, str] | None = None) -> tuple[int, str | None]:
@@ -55,73 +55,29 @@ def check_single_process(cli: str, environ: Mapping[str, str] | None = None) -> 
 
 
 # ------------------------------------------------------------------------------------------ what runs on N processes
-# Single flags (ExtGRPOConfig / TrainingArguments): (field, feature); several processes need the field's default.
-CFG_FLAGS = (
-    ("use_vllm", "vLLM generation"),
-    ("use_transformers_continuous_batching", "continuous-batching generation"),
-)
-# RunArgs flags: (field, feature), likewise.
-RUN_FLAGS = (
-    ("rebuild_builtin", "rebuilding the builtin model (every process would rebuild it)"),
-)
-
-
-def _refusal(flag: str, value, feature: str, n: int, var: str) -> ConfigError:
-    shown = f"--{flag} {value}" if not isinstance(value, bool) else f"--{flag}"
-    return ConfigError(f"{shown}: {feature} {ONE_PROCESS}; this launch has {n} processes ({var}={n}). Start "
-                       "train.py once, without torchrun/accelerate launch, or drop the flag")
-
-
-def _plain(value) -> object:
-    return value.value if hasattr(value, "value") else value  # TrainingArguments' str enums (eval_strategy)
-
-
-def _default(obj, name: str) -> object:
-    """The dataclass default of ``obj``'s field ``name`` (the one place a flag's default is defined)."""
-    (f,) = (f for f in dataclasses.fields(obj) if f.name == name)
-    return _plain(f.default)
+def check_processes(args, environ: Mapping[str, str] | None = None) -> None:
+    """ConfigError naming the flag of ``args`` (RunArgs or ExtGRPOConfig) whose part (`trl_ext.parts`) refuses
+    several processes; nothing on one process."""
+    n, var = launched_processes(environ)
+    if n > 1:
+        check_launch(args, Launch(processes=n, variable=var))
 
 
 def check_run_processes(run, environ: Mapping[str, str] | None = None) -> None:
-    """RunArgs features refused on several processes (ConfigError naming the flag); nothing on one process."""
-    n, var = launched_processes(environ)
-    if n == 1:
-        return
-    for flag, feature in RUN_FLAGS:
-        if getattr(run, flag) != _default(run, flag):
-            raise _refusal(flag, getattr(run, flag), feature, n, var)
-
-
-def changed_flag(cfg, groups: dict[type, str], flags) -> tuple[str, object, str] | None:
-    """(flag, value, feature) of the first field of the ``groups`` dataclasses (-> feature name) away from its default,
-    else of the first ``flags`` entry (field, feature) away from its default; None."""
-    for group, feature in groups.items():
-        for f in dataclasses.fields(group):
-            if not f.init or f.default is dataclasses.MISSING:
-                continue
-            if getattr(cfg, f.name) != f.default:
-                return f.name, getattr(cfg, f.name), feature
-    for flag, feature in flags:
-        if _plain(getattr(cfg, flag)) != _default(cfg, flag):
-            return flag, _plain(getattr(cfg, flag)), feature
-    return None
-
-
-def unverified_feature(cfg) -> tuple[str, object, str] | None:
-    """(flag, value, feature) of the first ExtGRPOConfig flag not yet verified on several processes (`CFG_FLAGS`);
-    None."""
-    return changed_flag(cfg, {}, CFG_FLAGS)
+    """RunArgs flags refused on several processes (`check_processes`)."""
+    check_processes(run, environ)
 
 
 def check_cfg_processes(cfg, environ: Mapping[str, str] | None = None) -> None:
-    """ExtGRPOConfig features refused on several processes (`unverified_feature`). Called on the parsed values,
-    before TrainingArguments sets the devices up (no process group is started for a refused launch)."""
-    n, var = launched_processes(environ)
-    if n == 1:
-        return
-    found = unverified_feature(cfg)
-    if found is not None:
-        raise _refusal(*found, n, var)
+    """ExtGRPOConfig flags refused on several processes (`check_processes`). Called on the parsed values, before
+    TrainingArguments sets the devices up (no process group is started for a refused launch)."""
+    check_processes(cfg, environ)
+
+
+def __getattr__(name: str):
+    if name == "CFG_FLAGS":  # (flag, part) of every flag refused on several processes (read by sweep.resumable)
+        return tuple(refused_flags(Launch(processes=2, variable="WORLD_SIZE")))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def multi_process_settings(cfg, environ: Mapping[str, str] | None = None, cuda: bool | None = None) -> None:

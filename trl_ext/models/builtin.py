@@ -18,8 +18,10 @@ Recipe (bump ``VERSION`` whenever anything below changes; the cache directory na
   (each story followed by ``[EOS]``), so position 0 looks like a prompt at generation time.
 
 The model lives in ``<cache>/builtin-<VERSION>/`` (``<cache>`` = ``$TRL_EXT_CACHE`` or
-``~/.cache/trl_ext``), is built on first use under a file lock (several processes started at once
-build it once), in a temporary directory that is renamed into place when complete.
+``~/.cache/trl_ext``), is made on first use under a file lock (several processes started at once
+make it once), in a temporary directory that is renamed into place when complete. On first use it is a copy of
+the build committed in ``trl_ext/models/pinned/`` (seconds, the same weights on every machine); ``--rebuild`` builds
+it from the recipe below (minutes; seeded but not bitwise the same on another machine or torch version).
 
 CLI: ``uv run python -m trl_ext.models.builtin [--rebuild]`` prints the path and the build info.
 """
@@ -45,6 +47,9 @@ VERSION = "v1"
 CACHE_ENV = "TRL_EXT_CACHE"
 DEFAULT_CACHE = Path("~/.cache/trl_ext")
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "build_info.json")
+# Committed builds, one directory per cache directory name (builtin-v1, builtin-env-v1, ...): `ensure_built` installs
+# them instead of building; ``python -m trl_ext.models.<name> --rebuild --pin`` writes one (`cli`).
+PINNED_DIR = Path(__file__).resolve().parent / "pinned"
 
 CORPUS_STORIES = 20_000
 TRAIN_SEED = 1234
@@ -104,18 +109,33 @@ def ensure_builtin(rebuild: bool = False) -> Path:
     return ensure_built(builtin_dir(), "trl_ext.models.builtin", rebuild, "the builtin model")
 
 
+def pinned_build(target: Path) -> Path | None:
+    """The committed build of ``target``'s model and version (``PINNED_DIR / target.name``), if there is one."""
+    pinned = PINNED_DIR / target.name
+    return pinned if pinned.is_dir() and all((pinned / name).is_file() for name in REQUIRED_FILES) else None
+
+
 def ensure_built(target: Path, module: str, rebuild: bool, label: str) -> Path:
-    """Build ``target`` once with ``python -m {module} --build-into DIR`` under a file lock, atomically."""
+    """``target``, made once under a file lock, atomically: a copy of the pinned build when the package ships one
+    (`pinned_build`: the same weights on every machine, in a second), else (and with ``rebuild``) built with
+    ``python -m {module} --build-into DIR``."""
     if not rebuild and _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f"{target.name}.lock"):
         if not rebuild and _is_complete(target):  # built by another process while we waited
             return target
-        print(f"[builtin] building {label} into {target} (first use takes a few minutes)", file=sys.stderr)
+        pinned = None if rebuild else pinned_build(target)
+        if pinned is not None:
+            print(f"[builtin] installing the pinned build of {label} into {target}", file=sys.stderr)
+        else:
+            print(f"[builtin] building {label} into {target} (first use takes a few minutes)", file=sys.stderr)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
         try:
-            _build_in_subprocess(tmp, module)
+            if pinned is not None:
+                shutil.copytree(pinned, tmp, dirs_exist_ok=True)
+            else:
+                _build_in_subprocess(tmp, module)
             tmp.chmod(0o755)  # mkdtemp makes it private
             if target.exists():
                 old = target.parent / f".{target.name}-old-{os.getpid()}"
@@ -341,6 +361,8 @@ def cli(argv: list[str] | None, description: str, ensure, build) -> None:
     """Command line of a cached model: ``--rebuild``, and the internal ``--build-into`` of the build subprocess."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rebuild", action="store_true", help="rebuild even if a built model is cached")
+    parser.add_argument("--pin", action="store_true", help=f"copy the cached build into {PINNED_DIR} (committed: "
+                        "every machine then starts from these weights), replacing a pinned build of the same version")
     parser.add_argument("--build-into", type=Path, help=argparse.SUPPRESS)  # internal: the build subprocess
     args = parser.parse_args(argv)
     if args.build_into is not None:
@@ -349,6 +371,20 @@ def cli(argv: list[str] | None, description: str, ensure, build) -> None:
     path = ensure(rebuild=args.rebuild)
     print(path)
     print((path / "build_info.json").read_text())
+    if args.pin:
+        pin(path)
+
+
+def pin(path: Path) -> Path:
+    """Copy the build at ``path`` to ``PINNED_DIR / path.name``, saying which weights it replaces."""
+    target = PINNED_DIR / path.name
+    old = json.loads((target / "build_info.json").read_text())["weights_sha256"] if pinned_build(target) else None
+    new = json.loads((path / "build_info.json").read_text())["weights_sha256"]
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(path, target)
+    print(f"pinned {target}: weights {new[:8]}" + (f" (replacing {old[:8]})" if old and old != new else ""))
+    return target
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,6 +26,8 @@ def _loss_field(name: str, help_text: str):
 class OffPolicyArgs:
     """Flags of off-policy training (seed 000; prime-rl's orchestrator and trainer.loss options)."""
 
+    _argument_group_name = "off-policy training (trl_ext.offpolicy)"  # train.py --help group (cli_help.py)
+
     max_async_level: int = field(
         default=0,
         metadata={"help": "k: the batch trained at step n was sampled by a policy at most k steps old; 0 = synchronous "
@@ -75,7 +77,7 @@ class OffPolicyArgs:
         if self.use_vllm:
             raise ConfigError(
                 "--use_vllm with --max_async_level >= 1 is not implemented: the asynchronous generator is a copy of "
-                "the policy sampled in a thread on the training device (README 'Off-policy training'); use "
+                "the policy sampled in a thread on the training device (docs/offpolicy.md); use "
                 "--max_async_level 0 for TRL's synchronous vLLM path"
             )
         defaults = {f.name: f.default for f in fields(GRPOConfig)}

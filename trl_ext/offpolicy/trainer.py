@@ -46,6 +46,8 @@ class _PublishWeights(TrainerCallback):
 class OffPolicyMixin:
     """GRPOTrainer hooks for max_async_level > 0; every hook is a plain pass-through when it is 0."""
 
+    _pending_rollout = None  # the generator's rollout of the batch being built (also on a trainer built without __init__)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.offpolicy_cfg = ImportanceConfig.from_object(self.args) if self.args.max_async_level > 0 else None

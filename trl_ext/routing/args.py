@@ -19,6 +19,8 @@ from trl_ext.routing.trace import TRACE_INTERVALS
 class RoutingArgs:
     """Dual LoRA adapters, gradient routing, its labels and its baseline arms. LoRA alpha is RunArgs.lora_alpha."""
 
+    _argument_group_name = "gradient routing and dual LoRA (trl_ext.routing)"  # train.py --help group (cli_help.py)
+
     gradient_routing: bool = field(default=False, metadata={
         "help": "Route the gradients of RH-flagged completions away from the retain adapter (needs --routing_mode "
                 "and a dual LoRA config)."})

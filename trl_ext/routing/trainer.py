@@ -144,7 +144,10 @@ class RoutingMixin:
                              f"base_reward={base_reward!r} was given")
         eval_on = dual and cfg.eval_routing_steps > 0
         if eval_on and not cfg.env and (not routing_eval_prompts or not routing_eval_rewards):
-            raise ValueError("the routing eval needs routing_eval_prompts and routing_eval_rewards")
+            raise ValueError("the routing eval (on with dual LoRA while eval_routing_steps > 0) needs "
+                             "routing_eval_prompts and routing_eval_rewards: pass them, or a train_dataset / "
+                             "eval_dataset with text prompts and callable reward_funcs (ExtGRPOTrainer builds them), "
+                             "or set eval_routing_steps=0")
         # With beta > 0 GRPOTrainer would load a second copy of the model from its path as the reference; the
         # reference of a dual LoRA policy is the policy with its adapters disabled, installed below instead.
         beta, ref_by_disabling = cfg.beta, dual and cfg.beta != 0.0

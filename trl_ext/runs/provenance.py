@@ -1,7 +1,7 @@
 """Which weights a run started from: ``start_weights.json`` in the run directory.
 
 The same ``--model`` can name different weights: a builtin model is built on first use and builds differ across
-machines (README, "The builtin model"), a local directory can be rewritten, a hub id moves with its main branch. So
+machines (docs/builtin-model.md), a local directory can be rewritten, a hub id moves with its main branch. So
 a run records what it started from, a resume refuses to continue from other weights, and a study can refuse to mix
 runs of different starting points (``experiments/offpolicy_study.py``):
 
@@ -96,7 +96,7 @@ def record_start_weights(run_dir: Path, record: dict, resumed: bool) -> str:
         raise ConfigError(f"{run_dir} started from --model {old['model']}, weights {start_id(old)} ({old['path']}); "
                           f"--model {record['model']} now loads {start_id(record)} ({record['path']}): resume from "
                           "the weights it started from (a builtin model differs across machines: pin it as a "
-                          "directory, README \"The builtin model\")")
+                          "directory, docs/builtin-model.md)")
     return f"start weights: {start_id(record)}, as at this run's start"
 
 

@@ -1,0 +1,42 @@
+"""Registration of the environments' flags and of SFT mode (`trl_ext.parts.FEATURES` "env", "sft"); the
+environments' prompts are `trl_ext.env.source`."""
+
+from __future__ import annotations
+
+from trl_ext.env.args import EnvArgs
+from trl_ext.parts import FEATURES, Feature
+from trl_ext.sft import SFTArgs
+
+
+class Env(Feature):
+    """The environments' flags (levels, turns, advantage estimators, ``--no_think_rl``), read by the trainer's episode
+    loop and estimators. Not under FSDP / DeepSpeed: not run there yet."""
+
+    what = "environments"
+    flags = EnvArgs
+
+    def supports(self, launch) -> str | None:
+        return launch.unsharded(self.what)
+
+
+class Sft(Feature):
+    """``--mode sft``: TRL's SFTTrainer on an environment's BFS trajectories (`trl_ext.sft.run_sft`) instead of GRPO.
+    Not under FSDP / DeepSpeed: not run there yet."""
+
+    what = "SFT mode"
+    flags = SFTArgs
+
+    def selected(self, run, cfg) -> bool:
+        return cfg.mode == "sft"
+
+    def supports(self, launch) -> str | None:
+        return launch.unsharded(self.what)
+
+    def run(self, plan) -> int | None:
+        from trl_ext.sft import run_sft
+
+        return run_sft(plan)
+
+
+FEATURES.add("env", Env())
+FEATURES.add("sft", Sft())

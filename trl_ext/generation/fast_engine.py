@@ -1,0 +1,40 @@
+"""Registration of the fast sampler (`trl_ext.parts.GENERATION_SOURCES` "fast": ``--generation_backend fast``;
+`trl_ext.generation.sampler.FastSampler`, hooked into TRL's generation by `trl_ext.generation.trainer`)."""
+
+from __future__ import annotations
+
+from trl_ext.parts import GENERATION_SOURCES, GenerationSource
+from trl_ext.registry import ConfigError
+
+
+def check_generation_backend(run, cfg) -> None:
+    """``--generation_backend fast`` (synchronous runs and the off-policy generator alike) on an architecture it
+    computes exactly, read from ``--model``'s config alone (`generation.families.fast_backend_refusal`)."""
+    if cfg.generation_backend != "fast":
+        return
+    from trl_ext.generation.families import fast_backend_refusal
+    from trl_ext.models.arch import model_config
+
+    reason = fast_backend_refusal(model_config(run.model, cfg.trust_remote_code), disable_dropout=cfg.disable_dropout)
+    if reason is not None:
+        raise ConfigError(f"--generation_backend fast: {reason}")
+
+
+class Fast(GenerationSource):
+    """The fast sampler, synchronous or in the off-policy generator. Not under FSDP / DeepSpeed: it reads every
+    projection's full weight."""
+
+    what = "the fast generation backend"
+    flags = ("generation_backend",)
+
+    def selected(self, run, cfg) -> bool:
+        return cfg.generation_backend == "fast"
+
+    def supports(self, launch) -> str | None:
+        return launch.unsharded(self.what)
+
+    def check(self, plan) -> None:
+        check_generation_backend(plan.run, plan.cfg)
+
+
+GENERATION_SOURCES.add("fast", Fast())

@@ -1,0 +1,20 @@
+"""Registration of saved rollouts (`trl_ext.parts.FEATURES` "saved_rollouts": ``--save_rollouts``,
+`trl_ext.runs.rollouts`)."""
+
+from __future__ import annotations
+
+from trl_ext.parts import FEATURES, Feature
+
+
+class SavedRollouts(Feature):
+    """Every trained sample written to ``{run_dir}/rollouts/`` (the trainer reads the flag). Not under FSDP /
+    DeepSpeed: not run there yet."""
+
+    what = "saved rollouts"
+    flags = ("save_rollouts",)
+
+    def supports(self, launch) -> str | None:
+        return launch.unsharded(self.what)
+
+
+FEATURES.add("saved_rollouts", SavedRollouts())
