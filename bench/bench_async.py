@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback
 
 from environments.stories import load_prompts
-from trl_ext.config import ExtGRPOConfig
+from trl_ext.config import train_config
 from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
 from trl_ext.trainer import ExtGRPOTrainer
 
@@ -52,7 +52,7 @@ def samples_per_s(k: int, backend: str, model: str, tokenizer, dataset, steps: i
                   threads: int) -> float:  # fmt: skip
     torch.set_num_threads(threads)
     clock = WallClock(warmup)
-    args = ExtGRPOConfig(
+    args = train_config(
         output_dir=out, per_device_train_batch_size=BATCH, num_generations=16, max_completion_length=64,
         learning_rate=3e-4, beta=0.02, loss_type="grpo", max_steps=steps + warmup, logging_steps=1000,
         save_strategy="no", report_to=[], seed=42, use_cpu=True, disable_tqdm=True, max_async_level=k,

@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads s
 import torch  # noqa: E402
 from bench_async import BATCH, WallClock  # noqa: E402  (bench/ is the script's directory)
 
-from trl_ext.config import ExtGRPOConfig  # noqa: E402
+from trl_ext.config import train_config  # noqa: E402
 from trl_ext.env.episodes import env_dataset, env_reward  # noqa: E402
 from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer  # noqa: E402
 from trl_ext.trainer import ExtGRPOTrainer  # noqa: E402
@@ -32,7 +32,7 @@ from trl_ext.trainer import ExtGRPOTrainer  # noqa: E402
 def samples_per_s(k: int, source: str, tok, steps: int, warmup: int, out: str, backend: str = "trl") -> float:
     torch.set_num_threads(2)
     clock = WallClock(warmup)
-    cfg = ExtGRPOConfig(
+    cfg = train_config(
         output_dir=out, per_device_train_batch_size=BATCH, num_generations=4, max_completion_length=96,
         learning_rate=1e-4, beta=0.02, max_steps=steps + warmup, logging_steps=1000, save_strategy="no",
         report_to=[], seed=42, use_cpu=True, disable_tqdm=True, max_async_level=k, env="frozenlake", max_turns=3,

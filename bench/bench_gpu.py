@@ -142,7 +142,7 @@ def bench_step(rounds: int, steps: int, warmup: int) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from environments.stories import load_prompts
-    from trl_ext.config import ExtGRPOConfig
+    from trl_ext.config import ExtGRPOConfig, train_config
     from trl_ext.models import load_tokenizer, prepare_tokenizer
     from trl_ext.trainer import ExtGRPOTrainer
 

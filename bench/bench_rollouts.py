@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads s
 from transformers import TrainerCallback  # noqa: E402
 
 from environments.stories import load_prompts  # noqa: E402
-from trl_ext.config import ExtGRPOConfig  # noqa: E402
+from trl_ext.config import train_config  # noqa: E402
 from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer  # noqa: E402
 from trl_ext.trainer import ExtGRPOTrainer  # noqa: E402
 
@@ -60,7 +60,7 @@ def main() -> None:
     load_before = os.getloadavg()
     timer = Alternate(a.steps, a.warmup)
     with tempfile.TemporaryDirectory() as out:
-        cfg = ExtGRPOConfig(
+        cfg = train_config(
             output_dir=out, per_device_train_batch_size=32, num_generations=16, max_completion_length=64,
             learning_rate=3e-4, beta=0.02, max_steps=a.warmup + 2 * a.rounds * a.steps, logging_steps=1000,
             save_strategy="no", report_to=[], seed=42, use_cpu=True, disable_tqdm=True, save_rollouts=True,

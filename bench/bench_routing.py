@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 
 from environments.stories import load_prompts
 from rewards.config import as_trl_reward
-from trl_ext.config import ExtGRPOConfig
+from trl_ext.config import train_config
 from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
 from trl_ext.models.arch import architecture_of, model_config
 from trl_ext.routing.setup import build_dual_lora_model
@@ -69,7 +69,7 @@ def run(variant: str, rank: int, tokenizer, dataset, steps: int, k: int, out: st
                      routing_two_pass=variant == "two_pass", eval_routing_steps=0)
     elif variant == "dual_plain":
         extra = dict(retain_rank=rank, forget_rank=0, eval_routing_steps=0)
-    cfg = ExtGRPOConfig(
+    cfg = train_config(
         output_dir=out, per_device_train_batch_size=32, num_generations=16, max_completion_length=64,
         steps_per_generation=k, learning_rate=3e-4, beta=0.02, max_steps=steps, logging_steps=1000,
         save_strategy="no", report_to=[], seed=42, use_cpu=True, disable_tqdm=True, **extra,

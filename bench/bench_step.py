@@ -35,7 +35,7 @@ from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from environments.stories import load_prompts  # noqa: E402
-from trl_ext.config import ExtGRPOConfig  # noqa: E402
+from trl_ext.config import ExtGRPOConfig, train_config  # noqa: E402
 from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer  # noqa: E402
 from trl_ext.trainer import ExtGRPOTrainer  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from environments.base import make_env
-from trl_ext.config import ExtGRPOConfig
+from trl_ext.config import train_config
 from trl_ext.distill.teacher import chat_teacher_prompt, teacher_messages
 from trl_ext.env.episodes import env_dataset, env_reward
 from reference import word_tokenizer
@@ -62,7 +62,7 @@ def make_trainer(tok, tmp_path, **over):
                 save_strategy="no", disable_tqdm=True, max_steps=1, teacher_context=CONTEXT, teacher_tau=1.0,
                 student_tau=0.5, adv_tau=0.0, skip_verification=True)  # fmt: skip
     args.update(over)
-    trainer = ExtGRPOTrainer(model=model, reward_funcs=[env_reward], args=ExtGRPOConfig(**args),
+    trainer = ExtGRPOTrainer(model=model, reward_funcs=[env_reward], args=train_config(**args),
                              train_dataset=env_dataset(make_env("frozenlake"), 2, tok), processing_class=tok)
     trainer._generate_single_turn = lambda prompt_ids, *a: ([encode(tok, AGENT + " junk")] * len(prompt_ids), None)
     with torch.no_grad():  # the policy moves away from the reference (the teacher): the two scores differ

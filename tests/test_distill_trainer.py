@@ -18,7 +18,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 import trl_ext.cli_train as cli
-from trl_ext.config import ExtGRPOConfig
+from trl_ext.config import train_config
 from trl_ext.registry import ConfigError
 from trl_ext.distill.advantages import distill_advantages
 from trl_ext.models import load_tokenizer, prepare_tokenizer
@@ -49,7 +49,7 @@ def make_trainer(builtin_path, tmp_path, reward=a_count_reward, **over):
                save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
                teacher_model=str(builtin_path), teacher_context=CONTEXT, teacher_tau=0.5, student_tau=0.25)  # fmt: skip
     tok = prepare_tokenizer(load_tokenizer(builtin_path))
-    trainer = ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[reward], args=ExtGRPOConfig(**{**cfg, **over}),
+    trainer = ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[reward], args=train_config(**{**cfg, **over}),
                              train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=tok)
     trainer.model.train()
     return trainer
@@ -155,9 +155,9 @@ def test_adv_tau_is_distillations_and_loss_adv_tau_is_the_losss(builtin_path, tm
     assert trainer.distill_cfg.adv_tau == 0.5  # the task weight inside the distillation advantages
     assert trainer.offpolicy_cfg.loss_adv_tau == 0.25  # the off-policy loss's own weight, independent of it
     with pytest.raises(ConfigError, match="weights the task reward of distillation"):  # no distillation: no meaning
-        ExtGRPOConfig(output_dir=str(tmp_path), report_to=[], adv_tau=0.5)
+        train_config(output_dir=str(tmp_path), report_to=[], adv_tau=0.5)
     with pytest.raises(ConfigError, match="--loss_adv_tau has no effect with --max_async_level 0"):
-        ExtGRPOConfig(output_dir=str(tmp_path), report_to=[], loss_adv_tau=0.5)
+        train_config(output_dir=str(tmp_path), report_to=[], loss_adv_tau=0.5)
 
 
 # ------------------------------------------------------------------------------ bad command lines
@@ -227,7 +227,7 @@ def test_lora_teacher_is_the_base_model(builtin_path, tmp_path):
                max_completion_length=6, beta=0.0, report_to=[], use_cpu=True, seed=0, teacher_context=CONTEXT,
                teacher_tau=1.0, student_tau=0.0)  # fmt: skip
     tok = prepare_tokenizer(load_tokenizer(builtin_path))
-    trainer = ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[a_count_reward], args=ExtGRPOConfig(**cfg),
+    trainer = ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[a_count_reward], args=train_config(**cfg),
                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
                              peft_config=peft)
     with torch.no_grad():  # make the adapters matter: the policy now differs from the base model

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import trl_ext.cli_train as cli
 from environments.base import make_env
-from trl_ext.config import ExtGRPOConfig
+from trl_ext.config import train_config
 from trl_ext.env.trainer import env_rollout
 from trl_ext.env.episodes import chat_env_text, cut_after_answer, env_dataset, env_reward
 from reference import word_tokenizer
@@ -73,14 +73,14 @@ def test_env_params_reach_every_environment_built():
     assert (env.slippery, env.size, env.p_frozen) == (True, 6, 0.9)
     assert env.reset(3).count("\n") == 6 - 1  # a 6x6 map
     assert "env_paramssize-6" in cli.build_plan(["--env", "frozenlake", "--env_params", "size=6", "--model", "builtin_env"]).cfg.run_name
-    opp = ExtGRPOConfig(output_dir="o", env="prisoners_dilemma", env_params="opponent=always_defect").build_env()
+    opp = train_config(output_dir="o", env="prisoners_dilemma", env_params="opponent=always_defect").build_env()
     assert opp.opponent_name == "always_defect"
 
 
 def test_n_rollout_is_num_generations():
     cfg = cli.parser().parse_args_into_dataclasses(args=["--env", "frozenlake", "--n_rollout", "8"])[1]
     assert cfg.num_generations == 8 and cfg.turns == 5  # frozenlake's own max_turns
-    assert ExtGRPOConfig(output_dir="o", env="sokoban", max_turns=2).turns == 2
+    assert train_config(output_dir="o", env="sokoban", max_turns=2).turns == 2
 
 
 # --- rollout pieces ------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def make_trainer(tok, tmp_path, **overrides):
                 num_generations=2, max_completion_length=12, beta=0.0, report_to=[], use_cpu=True,
                 save_strategy="no", disable_tqdm=True, max_steps=1)  # fmt: skip
     args.update(overrides)
-    cfg = ExtGRPOConfig(**args)
+    cfg = train_config(**args)
     return ExtGRPOTrainer(model=model, reward_funcs=[env_reward], args=cfg,
                           train_dataset=env_dataset(make_env("frozenlake"), 2, tok), processing_class=tok)  # fmt: skip
 

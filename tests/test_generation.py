@@ -165,15 +165,15 @@ def test_bad_flags_exit_2(train_cli_error, argv, needle):
 
 def test_trainer_batch_carries_logprobs_equal_to_the_trainers(builtin_path, tmp_path):
     from environments.stories import load_prompts
-    from trl_ext.config import ExtGRPOConfig
+    from trl_ext.config import train_config
     from trl_ext.models import load_tokenizer, prepare_tokenizer
     from trl_ext.trainer import ExtGRPOTrainer
 
     tok = prepare_tokenizer(load_tokenizer(builtin_path))
     prompts = load_prompts("builtin", tok, 8, "train", 16, 0)
-    args = ExtGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_steps=1,
-                         max_completion_length=24, temperature=0.9, top_k=30, report_to=[], use_cpu=True,
-                         generation_backend="fast")  # fmt: skip
+    args = train_config(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_steps=1,
+                        max_completion_length=24, temperature=0.9, top_k=30, report_to=[], use_cpu=True,
+                        generation_backend="fast")  # fmt: skip
     trainer = ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                              train_dataset=prompts, processing_class=tok, args=args)  # fmt: skip
     batch = trainer._generate_and_score_completions([prompts[i] for i in range(8)])

@@ -152,16 +152,16 @@ def tiny_dir(tmp_path_factory):
 def routed_offpolicy_trainer(tiny_dir, tmp_path):
     from datasets import Dataset
 
-    from trl_ext.config import ExtGRPOConfig
+    from trl_ext.config import train_config
     from trl_ext.routing.setup import build_dual_lora_model
     from trl_ext.trainer import ExtGRPOTrainer
 
     path, tok = tiny_dir
-    cfg = ExtGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3,
-                        max_completion_length=5, max_steps=1, learning_rate=1e-2, beta=0.05, save_strategy="no",
-                        report_to=[], use_cpu=True, disable_tqdm=True, seed=0, gradient_routing=True,
-                        routing_mode="shared", lora_config="r2", eval_routing_steps=0, max_async_level=1,
-                        token_clip_high=1.3, geo_mask_high=1.8, token_mask_high=2.0)  # fmt: skip
+    cfg = train_config(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3,
+                       max_completion_length=5, max_steps=1, learning_rate=1e-2, beta=0.05, save_strategy="no",
+                       report_to=[], use_cpu=True, disable_tqdm=True, seed=0, gradient_routing=True,
+                       routing_mode="shared", lora_config="r2", eval_routing_steps=0, max_async_level=1,
+                       token_clip_high=1.3, geo_mask_high=1.8, token_mask_high=2.0)  # fmt: skip
     model, layout = build_dual_lora_model(path, cfg, alpha=4.0)
     with torch.no_grad():  # nonzero B: both adapters get gradients
         for p in retain_params(model) + forget_params(model):

@@ -25,7 +25,7 @@ def test_generator_logprobs_equal_the_trainers_on_gpt2_with_unequal_prompts(tiny
     numbering of padded positions matter."""
     from datasets import Dataset
 
-    from trl_ext.config import ExtGRPOConfig
+    from trl_ext.config import train_config
     from trl_ext.generation.sampler import SamplingParams
     from trl_ext.models import load_tokenizer, prepare_tokenizer
     from trl_ext.generation.backends import make_sampler
@@ -34,8 +34,8 @@ def test_generator_logprobs_equal_the_trainers_on_gpt2_with_unequal_prompts(tiny
 
     tok = prepare_tokenizer(load_tokenizer(tiny_dirs["gpt2"]))
     texts = ["Ben was a quiet owl who", "Lily felt", "The sun", "One day a small red fox ran to the"]
-    args = ExtGRPOConfig(output_dir=str(tmp_path), beta=0.0, temperature=0.8, top_k=20, report_to=[], use_cpu=True,
-                         disable_dropout=True)  # fmt: skip
+    args = train_config(output_dir=str(tmp_path), beta=0.0, temperature=0.8, top_k=20, report_to=[], use_cpu=True,
+                        disable_dropout=True)  # fmt: skip
     trainer = ExtGRPOTrainer(model=tiny_dirs["gpt2"], reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                              train_dataset=Dataset.from_dict({"prompt": texts}), processing_class=tok,
                              args=args)  # fmt: skip

@@ -19,7 +19,7 @@ from trl import GRPOTrainer
 import trl_ext.cli_train as cli
 import trl_ext.offpolicy.trainer as opt
 from trl_ext.offpolicy.args import OffPolicyArgs
-from trl_ext.config import ExtGRPOConfig
+from trl_ext.config import train_config
 from trl_ext.offpolicy.importance import NO_MASK, PRIME_RL_DEFAULTS
 from trl_ext.offpolicy.worker import SamplingParams, generation_copy, sample
 from trl_ext.trainer import ExtGRPOTrainer
@@ -110,7 +110,7 @@ def make_trainer(tmp_path, callbacks=(), **over):
                max_completion_length=8, max_steps=7, beta=0.0, learning_rate=1e-2, logging_steps=1,
                save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)  # fmt: skip
     model_dir = over.pop("model_dir", None) or tiny_model_dir(tmp_path)
-    return ExtGRPOTrainer(model=model_dir, reward_funcs=[length_reward], args=ExtGRPOConfig(**{**cfg, **over}),
+    return ExtGRPOTrainer(model=model_dir, reward_funcs=[length_reward], args=train_config(**{**cfg, **over}),
                           train_dataset=PROMPTS, processing_class=tiny_tokenizer(),
                           callbacks=list(callbacks))  # fmt: skip
 
@@ -306,7 +306,7 @@ def test_sampler_logprobs_match_trainer_on_builtin(builtin_path, tmp_path, tempe
     tok = prepare_tokenizer(PreTrainedTokenizerFast.from_pretrained(str(builtin_path)))
     prompts = load_prompts("builtin", tok, 8, "train", 16, 0)
     trainer = ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[length_reward], train_dataset=prompts,
-                             processing_class=tok, args=ExtGRPOConfig(output_dir=str(tmp_path), beta=0.0,
+                             processing_class=tok, args=train_config(output_dir=str(tmp_path), beta=0.0,
                              temperature=temperature, top_k=top_k, report_to=[], use_cpu=True))  # fmt: skip
     prompt_ids = tok(list(prompts["prompt"]), add_special_tokens=False)["input_ids"]
     params = SamplingParams(64, temperature, top_k, 1.0, tuple(trainer.eos_token_ids), tok.pad_token_id)

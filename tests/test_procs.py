@@ -408,7 +408,7 @@ def run_equivalence(out: Path, model: str, env_model: str) -> None:
     from datasets import Dataset
     from peft import LoraConfig
 
-    from trl_ext.config import ExtGRPOConfig
+    from trl_ext.config import train_config
     from trl_ext.trainer import ExtGRPOTrainer
 
     class ScriptedTrainer(ExtGRPOTrainer):
@@ -425,10 +425,10 @@ def run_equivalence(out: Path, model: str, env_model: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     for variant, peft, extra, trainer_extra in VARIANTS(lora):
-        cfg = ExtGRPOConfig(output_dir=str(out / variant), per_device_train_batch_size=GLOBAL_BATCH // n,
-                            max_steps=1, learning_rate=LR, optim="sgd", report_to=[], save_strategy="no",
-                            logging_steps=1, seed=0, disable_dropout=True,
-                            **{"num_generations": GROUP, "max_completion_length": 8, **extra})  # fmt: skip
+        cfg = train_config(output_dir=str(out / variant), per_device_train_batch_size=GLOBAL_BATCH // n,
+                           max_steps=1, learning_rate=LR, optim="sgd", report_to=[], save_strategy="no",
+                           logging_steps=1, seed=0, disable_dropout=True,
+                           **{"num_generations": GROUP, "max_completion_length": 8, **extra})  # fmt: skip
         data = {"model": model, "reward_funcs": [_length_reward],
                 "train_dataset": Dataset.from_dict({"prompt": PROMPTS * 4})}
         if cfg.env:  # the environment's levels and return, on the tiny model with the environment tokenizer

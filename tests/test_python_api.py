@@ -27,16 +27,16 @@ def test_dataset_columns_reach_the_reward():
 
 
 def test_api_conveniences_refuse_what_train_py_refuses():
-    from trl_ext import ExtGRPOConfig
     from trl_ext.api import trainer_arguments
+    from trl_ext.config import train_config
 
-    cfg = ExtGRPOConfig(output_dir="unused", teacher_tau=0.5, student_tau=0.5, teacher_context="A happy story.",
-                        beta=0.0, report_to=[])  # fmt: skip
+    cfg = train_config(output_dir="unused", teacher_tau=0.5, student_tau=0.5, teacher_context="A happy story.",
+                       beta=0.0, report_to=[])  # fmt: skip
     with pytest.raises(ValueError, match="needs a teacher"):
         trainer_arguments((), {"model": "unused", "args": cfg, "reward_funcs": []})
-    with pytest.raises(TypeError, match="ExtGRPOConfig"):
+    with pytest.raises(TypeError, match="ExtGRPOConfig, a trl.GRPOConfig or None"):
         trainer_arguments(("m", []), {"args": object()})
-    named = trainer_arguments((), {"model": object(), "args": ExtGRPOConfig(output_dir="u", report_to=[]),
+    named = trainer_arguments((), {"model": object(), "args": train_config(output_dir="u", report_to=[]),
                                    "rh_detector": _example().says_happy})  # fmt: skip
     assert named["rh_detector"][0] == "says_happy"
 
@@ -70,12 +70,12 @@ def test_routing_eval_is_built_from_the_dataset_with_trl_style_rewards():
     the reward functions as TRL does: prompts, completions and the rows' other columns."""
     from datasets import Dataset
 
-    from trl_ext import ExtGRPOConfig
     from trl_ext.api import routing_eval_from_data
+    from trl_ext.config import train_config
 
     ex = _example()
-    cfg = ExtGRPOConfig(output_dir="u", report_to=[], gradient_routing=True, routing_mode="shared", lora_config="r4",
-                        eval_routing_prompts=4)  # fmt: skip
+    cfg = train_config(output_dir="u", report_to=[], gradient_routing=True, routing_mode="shared", lora_config="r4",
+                       eval_routing_prompts=4)  # fmt: skip
     seen = {}
 
     def reward(prompts, completions, target, **kwargs):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from trl_ext.config import ExtGRPOConfig
+from trl_ext.config import train_config
 from trl_ext.models import load_tokenizer, prepare_tokenizer
 from trl_ext.models.builtin_mood import ensure_builtin_mood
 from trl_ext.runs.checkpoints import MARKER, latest_complete, list_checkpoints
@@ -206,7 +206,7 @@ def _trainer(builtin_path, tmp_path, reward, **over):
                   max_completion_length=6, max_steps=3, beta=0.0, learning_rate=1e-3, logging_steps=1,
                   save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0), **over}  # fmt: skip
     tok = prepare_tokenizer(load_tokenizer(builtin_path))
-    return ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[reward], args=ExtGRPOConfig(**cfg),
+    return ExtGRPOTrainer(model=str(builtin_path), reward_funcs=[reward], args=train_config(**cfg),
                           train_dataset=Dataset.from_dict({"prompt": ["Ben was a quiet owl", "Lily felt"] * 8}),
                           processing_class=tok)  # fmt: skip
 

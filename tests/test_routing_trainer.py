@@ -10,7 +10,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 from rewards.config import as_trl_reward
-from trl_ext.config import ExtGRPOConfig
+from trl_ext.config import train_config
 from trl_ext.routing.adapters import DualLoRALinear, dual_lora_modules, forget_params, retain_params
 from trl_ext.routing.checkpoint import load_dual_lora_checkpoint
 from trl_ext.routing.layout import load_layout
@@ -82,7 +82,7 @@ def make_trainer(tiny, tmp_path, detector=odd_words, callbacks=(), base_reward=N
                 save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=SEED,
                 gradient_routing=True, routing_mode="shared", lora_config="r2", eval_routing_steps=0)
     args.update(overrides, **({"base_reward": base_reward[0]} if base_reward else {}))
-    cfg = ExtGRPOConfig(**args)
+    cfg = train_config(**args)
     model, layout = build_dual_lora_model(path, cfg, alpha=4.0)
     return Spy(model=model, reward_funcs=[as_trl_reward("n_chars", n_chars)], args=cfg, train_dataset=train,
                processing_class=tok, rh_detector=None if detector is None else ("odd", detector),
@@ -425,8 +425,8 @@ def test_evaluate_modes_sees_each_ablation_and_restores_on_error():
 
 def test_trainer_refuses_mismatched_model(tiny, tmp_path):
     path, tok, train, _ = tiny
-    cfg = ExtGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                        report_to=[], use_cpu=True, lora_config="r2")
+    cfg = train_config(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                       report_to=[], use_cpu=True, lora_config="r2")
     with pytest.raises(ValueError, match="has no dual adapter modules"):
         ExtGRPOTrainer(model=LlamaForCausalLM.from_pretrained(path), reward_funcs=[as_trl_reward("n", n_chars)],
                        args=cfg, train_dataset=train, processing_class=copy.deepcopy(tok))

@@ -199,15 +199,15 @@ def test_trainer_runs_the_tool_loop(tools_model, tmp_path, feature):
 
 
 def test_tool_loop_refuses_what_it_cannot_run(tools_model, tmp_path):
-    from trl_ext import ExtGRPOConfig
+    from trl_ext.config import train_config
     from trl_ext.api import trainer_arguments
 
     factory = SearchTools.factory(n_pages=PAGES)
-    distill = ExtGRPOConfig(output_dir=str(tmp_path), teacher_tau=0.5, student_tau=0.5, beta=0.02,
-                            teacher_context="Read before you answer.", report_to=[])  # fmt: skip
+    distill = train_config(output_dir=str(tmp_path), teacher_tau=0.5, student_tau=0.5, beta=0.02,
+                           teacher_context="Read before you answer.", report_to=[])  # fmt: skip
     with pytest.raises(ValueError, match="distillation .* TRL's tool loop"):
         trainer_arguments((), {"model": tools_model, "args": distill, "environment_factory": factory})
-    env = ExtGRPOConfig(output_dir=str(tmp_path), env="search", report_to=[])
+    env = train_config(output_dir=str(tmp_path), env="search", report_to=[])
     with pytest.raises(ValueError, match="give one of them"):
         trainer_arguments((), {"model": tools_model, "args": env, "environment_factory": factory})
 

@@ -362,7 +362,7 @@ def test_trainer_passes_dataset_columns(builtin_path, tmp_path):
     import datasets
 
     from environments.stories import load_prompts
-    from trl_ext.config import ExtGRPOConfig
+    from trl_ext.config import train_config
     from trl_ext.models import load_tokenizer, prepare_tokenizer
     from trl_ext.models.tiny import build_tiny
     from trl_ext.trainer import ExtGRPOTrainer
@@ -381,9 +381,9 @@ def test_trainer_passes_dataset_columns(builtin_path, tmp_path):
     path, _ = user_setup(tmp_path, body, module=ALIGNED_MODULE)
     cfg = load_reward_config(path)
     cfg.check_columns(["aligned", "alen", "em"], ["answer", "key"], "the test data")
-    args = ExtGRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
-                         max_completion_length=4, max_steps=2, logging_steps=1, save_strategy="no", report_to=[],
-                         use_cpu=True, disable_tqdm=True, seed=0, beta=0.0)  # fmt: skip
+    args = train_config(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
+                        max_completion_length=4, max_steps=2, logging_steps=1, save_strategy="no", report_to=[],
+                        use_cpu=True, disable_tqdm=True, seed=0, beta=0.0)  # fmt: skip
     trainer = ExtGRPOTrainer(model=str(model_dir), args=args, train_dataset=data, processing_class=tok,
                              **trl_reward_args("aligned", cfg.reward("aligned")),
                              eval_reward_funcs={"alen": cfg.reward("alen"), "em": cfg.reward("em"),

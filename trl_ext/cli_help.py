@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import re
 
-TRL_GROUP = "TRL GRPOConfig and transformers TrainingArguments fields (project defaults where stated in the help)"
+TRL_GROUP = "TRL GRPOConfig and transformers TrainingArguments fields (defaults: train.py's, trl_ext.config.TRAIN_DEFAULTS)"
 _BARE_PERCENT = re.compile(r"%(?![(%])")
 
 

@@ -3,6 +3,7 @@ then build the run directory, the prompts, the rewards and the trainer, and trai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 from trl_ext.assembly import Build, resolve
-from trl_ext.config import ExtGRPOConfig, RunArgs
+from trl_ext.config import TRAIN_DEFAULTS, ExtGRPOConfig, RunArgs
 from trl_ext.data import load_run_data
 from trl_ext.models import BUILTIN_MODELS, model_source, load_tokenizer, prepare_tokenizer, resolve_model_arg
 from trl_ext.naming import run_name
@@ -41,7 +42,9 @@ def parser() -> HfArgumentParser:
     """train.py's parser: `RunArgs` and `ExtGRPOConfig`, flags grouped by feature in --help (`trl_ext.cli_help`)."""
     from trl_ext.cli_help import group_flags
 
-    return group_flags(HfArgumentParser((RunArgs, ExtGRPOConfig)), ExtGRPOConfig)
+    p = group_flags(HfArgumentParser((RunArgs, ExtGRPOConfig)), ExtGRPOConfig)
+    p.set_defaults(**TRAIN_DEFAULTS)  # the seed's validated values of TRL's fields (the Python API keeps TRL's)
+    return p
 
 
 def adapter_tag(run: RunArgs, cfg: ExtGRPOConfig) -> str:
@@ -60,6 +63,7 @@ def build_plan(argv: list[str]) -> Plan:
     run, cfg, unknown = parser().parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         raise ConfigError(f"unknown arguments: {' '.join(unknown)} (see train.py --help)")
+    check_training_length(cfg)
     resolve_model_arg(run.model)
     assembly = resolve(run, cfg)  # the run's parts (trl_ext.assembly): prompt source, generation sources, features
     assembly.check_args(run, cfg)
@@ -80,6 +84,15 @@ def build_plan(argv: list[str]) -> Plan:
     cfg.run_name = name
     cfg.output_dir = str(plan.run_dir)
     return plan
+
+
+def check_training_length(cfg: ExtGRPOConfig) -> None:
+    """--num_train_epochs counts only with --max_steps -1 (HF's Trainer ignores it while max_steps > 0, and train.py's
+    max_steps is 2000 unless given): a ConfigError rather than an ignored flag."""
+    (epochs,) = (f.default for f in dataclasses.fields(cfg) if f.name == "num_train_epochs")
+    if cfg.max_steps > 0 and cfg.num_train_epochs != epochs:
+        raise ConfigError(f"--num_train_epochs {cfg.num_train_epochs:g} would be ignored: --max_steps {cfg.max_steps} "
+                          "decides the length; pass --max_steps -1 to train by epochs")
 
 
 def check_start(plan: Plan) -> Plan:

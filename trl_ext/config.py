@@ -1,9 +1,9 @@
 """Configuration: every project default and every new field, each documented once.
 
 `RunArgs` holds what a run is made of (model, reward, prompts, adapters, logging destinations);
-`ExtGRPOConfig` extends TRL's `GRPOConfig` with the trainer extensions and the project's validated
-defaults (seed 004's sweep: beta 0.02, batch 32, 16 generations, lr 1e-5, 2000 steps). Every other
-GRPOConfig / TrainingArguments field stays reachable from the command line through TRL's parser.
+`ExtGRPOConfig` extends TRL's `GRPOConfig` with the trainer extensions; TRL's own fields keep TRL's defaults (a
+drop-in GRPOConfig), and train.py applies the project's validated defaults (`TRAIN_DEFAULTS`: seed 004's sweep, beta
+0.02, batch 32, 16 generations, lr 1e-5, 2000 steps). Every GRPOConfig / TrainingArguments field is a train.py flag.
 
 All validation lives in ``__post_init__``: a bad combination raises `ConfigError` while the command
 line is parsed, before any model is loaded (the CLIs map it to exit code 2).
@@ -177,42 +177,42 @@ class RunArgs:
         return [n.strip() for n in self.eval_rewards.split(",") if n.strip()]
 
 
+def _trl_default(name: str):
+    """GRPOConfig's default of the field ``name`` (the one place it is defined: TRL)."""
+    (f,) = (f for f in dataclasses.fields(GRPOConfig) if f.name == name)
+    return f.default
+
+
+# train.py's defaults of TRL / transformers fields: seed 004's validated values (beta 0.02, batch 32, 16 generations,
+# lr 1e-5, 2000 steps, the per-sample mean loss), fp32 without activation checkpointing (TRL defaults bf16 and
+# gradient checkpointing on, even on CPU), runs under output/. The Python API keeps TRL's own defaults (a drop-in
+# GRPOConfig); `train_config` gives these to a script. docs/coming-from-trl.md lists both.
+TRAIN_DEFAULTS: dict[str, object] = {
+    "learning_rate": 1e-5, "beta": 0.02, "per_device_train_batch_size": 32, "per_device_eval_batch_size": 32,
+    "num_generations": 16, "max_steps": 2000, "max_completion_length": 64, "loss_type": "grpo",
+    "logging_steps": 10, "save_steps": 500, "seed": 42, "bf16": False, "activation_checkpointing": False,
+    "output_dir": "output",
+}  # fmt: skip
+
+
+def train_config(**overrides) -> ExtGRPOConfig:
+    """The ExtGRPOConfig train.py builds: `TRAIN_DEFAULTS`, then ``overrides``."""
+    return ExtGRPOConfig(**{**TRAIN_DEFAULTS, **overrides})
+
+
 @dataclass
 class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, GenerationArgs, GRPOConfig):
     """`trl.GRPOConfig` with the project's defaults and extension fields."""
 
     _argument_group_name = "monitoring and saved rollouts (trl_ext)"  # train.py --help group (cli_help.py)
 
-    # --- project defaults for GRPOConfig / TrainingArguments fields (seed 004's validated values) ---
-    learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate.", "aliases": ["--lr"]})
-    beta: float = field(default=0.02, metadata={"help": "KL coefficient against the reference policy."})
-    per_device_train_batch_size: int = field(
-        default=32, metadata={"help": "Completions per optimizer step and device.", "aliases": ["--batch_size"]}
-    )
-    per_device_eval_batch_size: int = field(
-        default=32, metadata={"help": "Completions per eval step and device (TRL's 8 is not a multiple of the 16 "
-                              "generations; with --eval_dataset each eval prompt gets num_generations completions)."})
-    num_generations: int = field(
-        default=16, metadata={"help": "Completions per prompt (group size; RAGEN's n_rollout).", "aliases": ["--n_rollout"]}
-    )
-    max_steps: int = field(default=2000, metadata={"help": "Optimizer steps."})
-    max_completion_length: int | None = field(default=64, metadata={"help": "Maximum completion tokens."})
-    loss_type: str = field(
-        default="grpo",
-        metadata={"help": "TRL loss normalisation; 'grpo' (per-sequence mean) explicitly, as seed 004 requires."},
-    )
-    logging_steps: float = field(default=10, metadata={"help": "Log metrics and a sample every N steps."})
-    save_steps: float = field(default=500, metadata={"help": "Save a checkpoint every N steps."})
-    seed: int = field(default=42, metadata={"help": "Random seed (model init, sampling, data order)."})
-    # TRL defaults bf16=True and gradient checkpointing on, even on CPU: we set both deliberately.
-    # (transformers 5 resolves the deprecated `gradient_checkpointing` from `activation_checkpointing`.)
-    bf16: bool | None = field(default=False, metadata={"help": "bf16 mixed precision (GPU only; fp32 otherwise)."})
-    activation_checkpointing: bool | None = field(
-        default=False, metadata={"help": "Activation (gradient) checkpointing: trades compute for memory."}
-    )
-    output_dir: str | None = field(
-        default="output", metadata={"help": "Parent directory; the run writes to {output_dir}/{run_name}."}
-    )
+    # --- TRL's fields with the project's aliases (TRL's defaults: train.py's own are TRAIN_DEFAULTS) ---
+    learning_rate: float = field(default=_trl_default("learning_rate"), metadata={
+        "help": "AdamW learning rate.", "aliases": ["--lr"]})
+    per_device_train_batch_size: int = field(default=_trl_default("per_device_train_batch_size"), metadata={
+        "help": "Completions per optimizer step and device.", "aliases": ["--batch_size"]})
+    num_generations: int | None = field(default=_trl_default("num_generations"), metadata={
+        "help": "Completions per prompt (group size; RAGEN's n_rollout).", "aliases": ["--n_rollout"]})
 
     # --- extensions ---
     zero_signal_patience: int = field(
@@ -242,12 +242,8 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
             raise ConfigError(f"--num_generations must be >= 2 (GRPO needs a group), got {self.num_generations}")
         if self.beta < 0:
             raise ConfigError(f"--beta must be >= 0, got {self.beta}")
-        if self.max_steps < 1:
-            raise ConfigError(f"--max_steps must be >= 1, got {self.max_steps}")
         if self.zero_signal_patience < 1:
             raise ConfigError(f"--zero_signal_patience must be >= 1, got {self.zero_signal_patience}")
-        if self.bf16 and not _cuda_available():
-            raise ConfigError("--bf16 needs a CUDA device; this machine has none (training runs in fp32)")
         self.validate_extensions()
         multi_process_settings(self)  # several processes on CPU: gloo, so the Trainer sees a distributed run
         try:
@@ -280,9 +276,3 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
                 setattr(ext, f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)
         ext.validate_extensions()
         return ext
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

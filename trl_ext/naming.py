@@ -33,6 +33,7 @@ CORE_FIELDS = (
     "retain_rank",
     "forget_rank",
     "max_steps",
+    "num_train_epochs",  # with max_steps <= 0 (length_tag)
     "seed",
     "dataset",  # _data-{tag} after the model
 )
@@ -81,13 +82,18 @@ def changed_fields(obj, default_obj) -> dict:
     return out
 
 
+def length_tag(cfg) -> str:
+    """``st{max_steps}``, or ``ep{num_train_epochs}`` for a run trained by epochs (max_steps <= 0)."""
+    return f"st{cfg.max_steps}" if cfg.max_steps > 0 else f"ep{fmt_value(float(cfg.num_train_epochs))}"
+
+
 def run_name(run, cfg, default_run, default_cfg, adapter: str) -> str:
     """Directory name of a run (``run``: RunArgs, ``cfg``: ExtGRPOConfig, defaults to compare with)."""
     data = f"_data-{fmt_value(dataset_tag(run.dataset))}" if getattr(run, "dataset", None) else ""
     core = (
         f"{run.reward}_{model_tag(run.model)}{data}"
         f"_lr{fmt_value(float(cfg.learning_rate))}_b{fmt_value(float(cfg.beta))}"
-        f"_bs{cfg.per_device_train_batch_size}_ng{cfg.num_generations}_{adapter}_st{cfg.max_steps}_s{cfg.seed}"
+        f"_bs{cfg.per_device_train_batch_size}_ng{cfg.num_generations}_{adapter}_{length_tag(cfg)}_s{cfg.seed}"
     )
     extras = {**changed_fields(run, default_run), **changed_fields(cfg, default_cfg)}
     parts = [f"{k}{fmt_value(v)}" for k, v in sorted(extras.items()) if k not in CORE_FIELDS and is_defining(k)]
