@@ -1,5 +1,5 @@
 """experiments/stats.py (mean, SE, paired and unpaired differences, Fisher's exact test, the 2 SE verdict) and
-experiments/effects.py's table readers, against hand-computed values (no model, no training)."""
+experiments/effects_rows.py's table readers, against hand-computed values (no model, no training)."""
 
 import importlib.util
 import math
@@ -15,7 +15,8 @@ _spec = importlib.util.spec_from_file_location("experiments_effects", _EXP / "ef
 effects = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = effects
 _spec.loader.exec_module(effects)
-st = effects.st  # experiments/stats.py
+rows = sys.modules["effects_rows"]  # experiments/effects_rows.py, imported by effects.py
+st = rows.st  # experiments/stats.py
 
 
 def test_mean_se_by_hand():
@@ -85,24 +86,24 @@ def test_formatting():
 
 
 def test_rows_by_hand():
-    row = effects.paired("X", "a vs b", {"0": 0.5, "1": 0.3, "2": 0.1}, {"0": 0.2, "1": 0.2, "2": 0.2})
+    row = rows.paired("X", "a vs b", {"0": 0.5, "1": 0.3, "2": 0.1}, {"0": 0.2, "1": 0.2, "2": 0.2})
     assert row.line() == ("| X | a vs b | 0.300 ± 0.115 (n=3) | 0.200 ± 0.000 (n=3) | +0.100 ± 0.115 (paired, n=3) "
                           "| [-0.131, +0.331] | 0.87 | no measurable difference |")
-    row = effects.counts("Y", "invalid", 0, 15, 2, 5)
+    row = rows.counts("Y", "invalid", 0, 15, 2, 5)
     assert (row.a, row.b, row.diff, row.verdict, row.interval) == ("0/15 runs", "2/5 runs", "Fisher exact p = 0.053",
                                                                    st.NO_DIFFERENCE, "-")
-    row = effects.rates("Z", "one seed", 0.5, 100, 0.3, 100)  # SEs 0.05 and 0.0458; difference 0.2 ± 0.0678
+    row = rows.rates("Z", "one seed", 0.5, 100, 0.3, 100)  # SEs 0.05 and 0.0458; difference 0.2 ± 0.0678
     assert row.diff == "+0.200 ± 0.068 (binomial, one seed)" and row.z == "2.95" and row.verdict == "effect"
-    row = effects.against("W", "vs a constant", [0.4, 0.5, 0.6], 0.2, "best constant", b_digits=4)
+    row = rows.against("W", "vs a constant", [0.4, 0.5, 0.6], 0.2, "best constant", b_digits=4)
     assert (row.b, row.diff, row.verdict) == ("0.2000 (best constant)", "+0.300 ± 0.058 (n=3)", "effect")
-    row = effects.against("V", "vs a sampled rate", [0.4, 0.5, 0.6], 0.2, "before", b_se=0.04)  # hypot(0.0577, 0.04)
+    row = rows.against("V", "vs a sampled rate", [0.4, 0.5, 0.6], 0.2, "before", b_se=0.04)  # hypot(0.0577, 0.04)
     assert (row.b, row.diff) == ("0.200 ± 0.040 (before)", "+0.300 ± 0.070 (n=3)")
 
 
 def test_table_readers():
     text = "intro\n\n| arm | v |\n|---|---|\n| a | 0.1 |\n| b | 0.2 |\n\ntext\n| x |\n|---|\n| 1 |\n"
-    assert effects.md_tables(text) == [[{"arm": "a", "v": "0.1"}, {"arm": "b", "v": "0.2"}], [{"x": "1"}]]
-    assert effects.three("0.782 (0.721-0.792)") == [0.721, 0.782, 0.792]  # the range's hyphen is not a sign
-    assert effects.three("-0.703 [-0.984, -0.105]") == [-0.984, -0.703, -0.105]
+    assert rows.md_tables(text) == [[{"arm": "a", "v": "0.1"}, {"arm": "b", "v": "0.2"}], [{"x": "1"}]]
+    assert rows.three("0.782 (0.721-0.792)") == [0.721, 0.782, 0.792]  # the range's hyphen is not a sign
+    assert rows.three("-0.703 [-0.984, -0.105]") == [-0.984, -0.703, -0.105]
     with pytest.raises(ValueError):
-        effects.three("0.5")
+        rows.three("0.5")
