@@ -58,7 +58,7 @@ def test_example_trains_each_extension(builtin_path, tmp_path, feature):
         evals = [json.loads(line) for line in (tmp_path / "routing_eval.jsonl").read_text().splitlines()]
         assert [e["step"] for e in evals] == [2] and evals[0]["n_prompts"] == 16  # built from train_dataset
         assert set(evals[0]["modes"]) == {"both", "retain_only", "forget_only"}
-        assert all("mentions_target" in m for m in evals[0]["modes"].values())
+        assert all("reward/mentions_target" in m for m in evals[0]["modes"].values())
     if feature == "offpolicy":
         assert all(h["offpolicy/policy_lag_max"] <= 1 for h in logs)
     if feature == "distill":
