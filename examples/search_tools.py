@@ -41,8 +41,9 @@ def build_trainer(model: str, feature: str = "plain", max_steps: int = 2, output
     max_turns = SearchEnv.max_turns_default
     cfg = ExtGRPOConfig(output_dir=output_dir, max_steps=max_steps, learning_rate=1e-4, per_device_train_batch_size=8,
                         num_generations=2, max_completion_length=1024, max_tool_calling_iterations=max_turns,
-                        logging_steps=1, save_strategy="no", report_to=[], beta=0.0, bf16=False,
-                        activation_checkpointing=False, loss_type="grpo", **{**FEATURES[feature], **config})  # fmt: skip
+                        logging_steps=1, save_strategy="no", report_to=[], beta=0.0,
+                        **{"bf16": False, "activation_checkpointing": False, "loss_type": "grpo",  # TRL's otherwise
+                           **FEATURES[feature], **config})  # fmt: skip
     extra = {}
     if feature == "lora":
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
