@@ -57,6 +57,17 @@ def test_args_none_is_the_config_grpotrainer_builds(bf16_ok):
     assert _same_fields(cfg, GRPOConfig("tiny-llama-GRPO")) == []
 
 
+def test_trainer_without_args_gets_the_default_config(bf16_ok):
+    """ExtGRPOTrainer(model, reward_funcs, train_dataset=...) with no args: the trainer's own argument handling
+    builds the config GRPOTrainer would (named after the model)."""
+    from trl_ext.api import trainer_arguments
+
+    data = Dataset.from_dict({"prompt": ["a"]})
+    named = trainer_arguments(("org/my-model", [len]), {"train_dataset": data, "processing_class": object()})
+    assert isinstance(named["args"], ExtGRPOConfig) and named["args"].output_dir == "my-model-GRPO"
+    assert _same_fields(named["args"], GRPOConfig("my-model-GRPO")) == []
+
+
 def test_a_plain_grpoconfig_is_converted_field_by_field(tmp_path):
     plain = GRPOConfig(output_dir=str(tmp_path), bf16=False, max_steps=3, learning_rate=3e-4, num_generations=4,
                        per_device_train_batch_size=8, steps_per_generation=2, report_to=[])  # fmt: skip
