@@ -132,7 +132,7 @@ class TrlReward:
         if len(values) != len(completions):
             raise ValueError(f"reward {self.__name__!r} returned {len(values)} values for {len(completions)} "
                              "completions")  # fmt: skip
-        return [math.nan if v is None else float(v) for v in values]
+        return [None if v is None else float(v) for v in values]  # None: TRL's "not applicable" (runs.faults)
 
     def __repr__(self) -> str:
         return f"TrlReward({self.__name__!r})"

@@ -235,3 +235,65 @@ def test_offpolicy_trains_by_epochs(builtin_path, tmp_path):
     assert trainer.state.global_step == 4  # 8 prompts x 4 generations / 8 per step
     trace = trainer.offpolicy_trace  # (step, oldest, newest policy version) of each batch trained
     assert len(trace) == 4 and all(newest <= step and step - oldest <= 1 for step, oldest, newest in trace)
+
+
+def test_a_config_yaml_reward_passes_none_through():
+    """train.py's reward bindings (rewards.bound.TrlReward) keep a None for TRL, not a NaN the guard would stop."""
+    from rewards.bound import TrlReward
+
+    guarded = guard_reward(TrlReward("maybe", lambda texts: [None if t == "n/a" else 1.0 for t in texts]), "maybe")
+    assert guarded(completions=["n/a", "ok"]) == [None, 1.0]
+
+
+def test_guard_records_for_the_trainer_and_sees_an_async_partial():
+    import asyncio
+    import functools
+    import inspect
+
+    faults = []
+    out = guard_reward(lambda completions, **kw: [math.nan, 1.0, None], "r", faults)(completions=["a", "b", "c"])
+    assert out == [math.inf, 1.0, None] and len(faults) == 1 and "'r' returned nan" in faults[0]
+
+    class Scorer:
+        async def __call__(self, completions, scale, **kwargs):
+            return [scale * len(c) for c in completions]
+
+    guarded = guard_reward(functools.partial(Scorer(), scale=2.0), "scorer")
+    assert inspect.iscoroutinefunction(guarded)
+    assert asyncio.run(guarded(completions=["ab"])) == [4.0]
+
+
+def test_every_process_raises_a_reward_fault_at_the_same_step():
+    """The rewards are gathered: a None or a non-finite value on another process's rows stops this process too."""
+    from types import SimpleNamespace
+
+    def trainer(refusal):
+        return SimpleNamespace(_reward_faults=[], reward_funcs=[math_reward, story_reward],
+                               reward_func_names=["math_reward", "story_reward"],
+                               none_reward_refusal=lambda: refusal)  # fmt: skip
+
+    check = ExtGRPOTrainer.check_reward_faults
+    gathered = torch.tensor([[1.0, 0.0], [1.0, 0.0], [math.nan, 1.0], [0.0, 1.0]])  # rows 2-3: the other process
+    check(trainer(None), gathered, gathered[:2], ["x", "y"], 3)  # None rewards, no feature needing them: fine
+    with pytest.raises(NumericFault, match="step 3: a reward function returned None on another process: routing"):
+        check(trainer("routing needs them"), gathered, gathered[:2], ["x", "y"], 3)
+    with pytest.raises(NumericFault, match="step 3: a reward function returned a non-finite value on another"):
+        gathered[3, 1] = math.inf
+        check(trainer(None), gathered, gathered[:2], ["x", "y"], 3)
+
+
+def test_train_py_bounds_and_flags():
+    from trl_ext.cli_train import build_plan, parser
+
+    namespace, _ = parser().parse_known_args(["--reward", "happy_binary", "--bf16"])  # TRL's bool | None field
+    assert namespace.bf16 is True
+    for bad in ("0", "-5"):
+        with pytest.raises(Exception, match="--max_steps must be >= 1, or -1"):
+            build_plan(["--reward", "happy_binary", "--max_steps", bad])
+
+
+def test_a_converted_config_does_not_share_the_callers_lists(tmp_path):
+    plain = GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[])
+    ext = ext_config(plain, "builtin")
+    ext.report_to.append("wandb")
+    assert plain.report_to == []

@@ -94,3 +94,17 @@ def test_routing_eval_is_built_from_the_dataset_with_trl_style_rewards():
                 {"reward_funcs": [reward]}):
         with pytest.raises(ValueError, match="eval_routing_steps=0"):
             routing_eval_from_data(bad, cfg)
+
+
+def test_a_scripts_own_routing_eval_rewards_are_kept():
+    from trl_ext.api import trainer_arguments
+    from trl_ext.config import train_config
+
+    ex = _example()
+    cfg = train_config(output_dir="u", report_to=[], gradient_routing=True, routing_mode="shared", lora_config="r4",
+                       eval_routing_prompts=4)  # fmt: skip
+    mine = {"mine": lambda texts: [0.0] * len(texts)}
+    named = trainer_arguments((), {"model": object(), "args": cfg, "train_dataset": ex.your_dataset(8),
+                                   "reward_funcs": [ex.mentions_target], "dual_lora_layout": object(),
+                                   "routing_eval_rewards": mine})  # fmt: skip
+    assert named["routing_eval_rewards"] is mine and named["routing_eval_prompts"] == list(ex.your_dataset(4)["prompt"])

@@ -98,7 +98,10 @@ def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
             named.setdefault("dual_lora_base", str(Path(model).resolve()) if Path(model).is_dir() else model)
     if cfg.dual_lora and named.get("dual_lora_layout") is not None and cfg.eval_routing_steps > 0 and not cfg.env \
             and named.get("routing_eval_prompts") is None:  # (a model without dual adapters: RoutingMixin refuses)
-        named["routing_eval_prompts"], named["routing_eval_rewards"] = routing_eval_from_data(named, cfg)
+        prompts, rewards = routing_eval_from_data(named, cfg)
+        named["routing_eval_prompts"] = prompts
+        if named.get("routing_eval_rewards") is None:  # a script's own eval rewards are kept
+            named["routing_eval_rewards"] = rewards
     return named
 
 
@@ -110,10 +113,12 @@ def routing_eval_from_data(named: dict[str, Any], cfg) -> tuple[list[str], dict[
             "eval off")
     data = named.get("eval_dataset") if named.get("eval_dataset") is not None else named.get("train_dataset")
     n = cfg.eval_routing_prompts
-    if data is None or isinstance(data, dict) or "prompt" not in data.column_names or len(data) < n:
+    from datasets import Dataset
+
+    if not isinstance(data, Dataset) or "prompt" not in data.column_names or len(data) < n:
         raise ValueError(f"the routing eval (on with dual LoRA: eval_routing_steps={cfg.eval_routing_steps}) takes "
-                         f"its {n} prompts from eval_dataset or train_dataset (a Dataset with a 'prompt' column and "
-                         f">= eval_routing_prompts rows); {ways}")
+                         f"its {n} prompts from eval_dataset or train_dataset (a datasets.Dataset with a 'prompt' "
+                         f"column and >= eval_routing_prompts rows); {ways}")
     rows = data.select(range(n))
     prompts = list(rows["prompt"])
     if not all(isinstance(p, str) for p in prompts):

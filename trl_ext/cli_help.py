@@ -17,7 +17,7 @@ import dataclasses
 import re
 
 TRL_GROUP = "TRL GRPOConfig and transformers TrainingArguments fields (defaults: train.py's, trl_ext.config.TRAIN_DEFAULTS)"
-_BARE_PERCENT = re.compile(r"%(?![(%])")
+_PERCENT = re.compile(r"%%|%\(|%")  # already escaped, a format field, or a bare % (escaped)
 
 
 def declaring_class(cls: type, name: str) -> type:
@@ -37,7 +37,7 @@ def group_flags(parser: argparse.ArgumentParser, config_cls: type) -> argparse.A
     for group in parser._action_groups:
         for action in group._group_actions:
             if action.help:
-                action.help = _BARE_PERCENT.sub("%%", action.help)
+                action.help = _PERCENT.sub(lambda m: "%%" if m.group() == "%" else m.group(), action.help)
     moved: dict[type, list[argparse.Action]] = {}
     for group in parser._action_groups:  # HfArgumentParser put config_cls's fields in one group
         for action in [a for a in group._group_actions if a.dest in fields]:

@@ -42,8 +42,13 @@ def parser() -> HfArgumentParser:
     """train.py's parser: `RunArgs` and `ExtGRPOConfig`, flags grouped by feature in --help (`trl_ext.cli_help`)."""
     from trl_ext.cli_help import group_flags
 
+    from transformers.hf_argparser import string_to_bool
+
     p = group_flags(HfArgumentParser((RunArgs, ExtGRPOConfig)), ExtGRPOConfig)
     p.set_defaults(**TRAIN_DEFAULTS)  # the seed's validated values of TRL's fields (the Python API keeps TRL's)
+    for action in p._actions:  # `bool | None = None` fields (TRL's bf16 ...): a bare --flag means true, as for bools
+        if action.type is string_to_bool and action.nargs is None:
+            action.nargs, action.const = "?", True
     return p
 
 
@@ -87,8 +92,11 @@ def build_plan(argv: list[str]) -> Plan:
 
 
 def check_training_length(cfg: ExtGRPOConfig) -> None:
-    """--num_train_epochs counts only with --max_steps -1 (HF's Trainer ignores it while max_steps > 0, and train.py's
-    max_steps is 2000 unless given): a ConfigError rather than an ignored flag."""
+    """--max_steps >= 1, or -1 (HF's Trainer reads any value <= 0 as "by epochs": train.py accepts -1 alone);
+    --num_train_epochs counts only with -1 (HF's Trainer ignores it while max_steps > 0, and train.py's max_steps is
+    2000 unless given): a ConfigError rather than an ignored flag."""
+    if cfg.max_steps == 0 or cfg.max_steps < -1:
+        raise ConfigError(f"--max_steps must be >= 1, or -1 to train by --num_train_epochs; got {cfg.max_steps}")
     (epochs,) = (f.default for f in dataclasses.fields(cfg) if f.name == "num_train_epochs")
     if cfg.max_steps > 0 and cfg.num_train_epochs != epochs:
         raise ConfigError(f"--num_train_epochs {cfg.num_train_epochs:g} would be ignored: --max_steps {cfg.max_steps} "

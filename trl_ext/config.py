@@ -11,6 +11,7 @@ line is parsed, before any model is loaded (the CLIs map it to exit code 2).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -270,7 +271,8 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
         resolved) values as they are, the extension fields at their defaults. Not by re-running ``__post_init__``:
         that would see resolved pairs such as ``generation_batch_size`` and ``steps_per_generation`` as both set."""
         ext = cls.__new__(cls)
-        ext.__dict__.update(args.__dict__)
+        ext.__dict__.update({k: copy.deepcopy(v) if isinstance(v, (list, dict)) or dataclasses.is_dataclass(v) else v
+                             for k, v in args.__dict__.items()})  # fmt: skip  (the caller's lists stay its own)
         for f in dataclasses.fields(cls):
             if f.name not in args.__dict__:
                 setattr(ext, f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)

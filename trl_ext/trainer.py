@@ -67,8 +67,10 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
             if len(reward_names) != len(self.reward_func_names):
                 raise ValueError(f"{len(reward_names)} reward_names for {len(self.reward_func_names)} reward functions")
             self.reward_func_names = list(reward_names)
-        # A computed NaN / inf stops the run at its source; None stays TRL's "not applicable" (`runs.faults`)
-        self.reward_funcs = [f if isinstance(f, torch.nn.Module) else guard_reward(f, name)
+        # A computed NaN / inf is caught at its source (None stays TRL's "not applicable"; `runs.faults`) and raised
+        # after the gather (`check_reward_faults`)
+        self._reward_faults: list[str] = []
+        self.reward_funcs = [f if isinstance(f, torch.nn.Module) else guard_reward(f, name, self._reward_faults)
                              for f, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]  # fmt: skip
         self.eval_reward_funcs = dict(eval_reward_funcs or {})
         self.reward_context: dict[str, Any] = {}
@@ -120,18 +122,33 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
         rewards = self.routing_rewards(rewards, prompts, completions)
         n, rank = len(prompts), self.accelerator.process_index
         local = rewards[rank * n : (rank + 1) * n]
-        none_ok = [not isinstance(f, torch.nn.Module) for f in self.reward_funcs]  # their NaN is a None
-        check_rewards(local, list(self.reward_func_names), list(completions), step, none_ok)
-        if torch.isnan(local).any():
-            refusal = self.none_reward_refusal()
-            if refusal is not None:
-                row, col = torch.isnan(local).nonzero()[0].tolist()
-                raise NumericFault(f"step {step}: reward function {self.reward_func_names[col]!r} returned None for "
-                                   f"completion {row} ({completions[row]!r}): {refusal}")
+        self.check_reward_faults(rewards, local, list(completions), step)
         self._local_rewards = local
         self._rewards_per_func = rewards
         self.distill_record_task(rewards)
         return rewards
+
+    def check_reward_faults(self, rewards: torch.Tensor, local: torch.Tensor, completions: list, step: int) -> None:
+        """`NumericFault` on every process at the same step (``rewards`` are gathered, ``local`` this process's rows):
+        a computed NaN / inf (`runs.faults.guard_reward`'s record), a reward model's non-finite value, or a None that
+        a feature of this run cannot use (`none_reward_refusal`)."""
+        faults, self._reward_faults[:] = list(self._reward_faults), []
+        none_ok = [not isinstance(f, torch.nn.Module) for f in self.reward_funcs]  # their NaN is a None
+        nan = torch.isnan(rewards)
+        bad = ~torch.isfinite(rewards) & ~(nan & torch.tensor(none_ok, device=rewards.device))
+        refusal = self.none_reward_refusal() if bool(nan.any()) else None
+        if not bool(bad.any()) and refusal is None:
+            return
+        if faults:
+            raise NumericFault(faults[0])
+        if bool(bad.any()):
+            check_rewards(local, list(self.reward_func_names), completions, step, none_ok)  # names the local row
+            raise NumericFault(f"step {step}: a reward function returned a non-finite value on another process")
+        if bool(torch.isnan(local).any()):
+            row, col = torch.isnan(local).nonzero()[0].tolist()
+            raise NumericFault(f"step {step}: reward function {self.reward_func_names[col]!r} returned None for "
+                               f"completion {row} ({completions[row]!r}): {refusal}")
+        raise NumericFault(f"step {step}: a reward function returned None on another process: {refusal}")
 
     def none_reward_refusal(self) -> str | None:
         """Why a reward of None (TRL's "not applicable") cannot be used by this run, or None: TRL's own advantages
@@ -141,6 +158,7 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
             ("gradient routing's labels and base reward", a.labelled or a.needs_base_reward),
             ("distillation's task reward", a.distill_on), ("--adv_estimator", bool(a.adv_estimator)),
             ("the environment's reward", bool(a.env)),
+            ("the routing eval's mean rewards", a.dual_lora and a.eval_routing_steps > 0),
         ) if on]  # fmt: skip
         if not features:
             return None

@@ -11,7 +11,6 @@ and where.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from collections.abc import Callable
 
@@ -38,21 +37,30 @@ def _nonfinite(value) -> bool:
         return False  # not a number at all: TRL's own conversion reports it
 
 
-def guard_reward(fn: Callable, name: str) -> Callable:
-    """``fn`` (a TRL reward function, sync or async) whose computed NaN / inf values raise `NumericFault` naming the
-    function, the step and the completion; None passes through (TRL's "not applicable")."""
+def guard_reward(fn: Callable, name: str, faults: list[str] | None = None) -> Callable:
+    """``fn`` (a TRL reward function, sync or async) with its computed NaN / inf values caught at the source, where
+    they are still told apart from None (TRL's "not applicable", passed through): without ``faults`` a `NumericFault`
+    naming the function, the step and the completion is raised at once; with it, the message is appended and the
+    value returned as inf (never a None's NaN), so the trainer raises after TRL has gathered the rewards, on every
+    process at the same step."""
+    from trl.trainer.utils import is_async_callable
 
     def check(out, kwargs):
+        out = list(out)
         for i, value in enumerate(out):
             if value is not None and _nonfinite(value):
                 state, completions = kwargs.get("trainer_state"), kwargs.get("completions") or []
                 step = f"step {state.global_step + 1}: " if state is not None else ""
                 text = f": {completions[i]!r}" if i < len(completions) else ""
-                raise NumericFault(f"{step}reward function {name!r} returned {value} (not a finite number) for "
-                                   f"completion {i}{text} (return None for a completion it does not apply to)")
+                message = (f"{step}reward function {name!r} returned {value} (not a finite number) for completion "
+                           f"{i}{text} (return None for a completion it does not apply to)")
+                if faults is None:
+                    raise NumericFault(message)
+                faults.append(message)
+                out[i] = math.inf
         return out
 
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+    if is_async_callable(fn):
         @functools.wraps(fn)
         async def guarded_async(*args, **kwargs):
             return check(await fn(*args, **kwargs), kwargs)
