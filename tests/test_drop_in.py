@@ -280,6 +280,10 @@ def test_every_process_raises_a_reward_fault_at_the_same_step():
     with pytest.raises(NumericFault, match="step 3: a reward function returned a non-finite value on another"):
         gathered[3, 1] = math.inf
         check(trainer(None), gathered, gathered[:2], ["x", "y"], 3)
+    recorded = trainer(None)  # a computed NaN the base reward then replaced: the guard's record still stops the run
+    recorded._reward_faults.append("step 3: reward function 'math_reward' returned nan")
+    with pytest.raises(NumericFault, match="'math_reward' returned nan"):
+        check(recorded, torch.ones(4, 2), torch.ones(2, 2), ["x", "y"], 3)
 
 
 def test_train_py_bounds_and_flags():
@@ -297,3 +301,11 @@ def test_a_converted_config_does_not_share_the_callers_lists(tmp_path):
     ext = ext_config(plain, "builtin")
     ext.report_to.append("wandb")
     assert plain.report_to == []
+
+
+def test_the_saved_reward_of_a_sample_every_function_skipped_is_nan():
+    from trl_ext.runs.rollouts import weighted_reward
+
+    rewards = torch.tensor([[1.0, math.nan], [math.nan, math.nan], [0.5, 2.0]])
+    out = weighted_reward(rewards, torch.tensor([2.0, 1.0]))
+    assert out[0].item() == 2.0 and math.isnan(out[1].item()) and out[2].item() == 3.0

@@ -40,13 +40,14 @@ def ext_config(args, model) -> Any:
     """``args`` as an `ExtGRPOConfig`: as given; a default one for None (named as GRPOTrainer names it:
     ``"{model name}-GRPO"``); a plain ``trl.GRPOConfig`` converted field by field (every extension off)."""
     from trl import GRPOConfig
+    from trl.trainer.utils import get_config_model_id
 
     from trl_ext.config import ExtGRPOConfig
 
     if isinstance(args, ExtGRPOConfig):
         return args
-    if args is None:
-        name = model if isinstance(model, str) else model.config._name_or_path
+    if args is None:  # GRPOTrainer's own naming
+        name = model if isinstance(model, str) else get_config_model_id(model.config)
         return ExtGRPOConfig(f"{name.split('/')[-1]}-GRPO")
     if isinstance(args, GRPOConfig):
         return ExtGRPOConfig.from_grpo_config(args)

@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import re
 
-TRL_GROUP = "TRL GRPOConfig and transformers TrainingArguments fields (defaults: train.py's, trl_ext.config.TRAIN_DEFAULTS)"
+TRL_GROUP = "TRL GRPOConfig and transformers TrainingArguments fields (train.py's defaults: TRAIN_DEFAULTS)"
 _PERCENT = re.compile(r"%%|%\(|%")  # already escaped, a format field, or a bare % (escaped)
 
 

@@ -40,9 +40,9 @@ class Plan:
 
 def parser() -> HfArgumentParser:
     """train.py's parser: `RunArgs` and `ExtGRPOConfig`, flags grouped by feature in --help (`trl_ext.cli_help`)."""
-    from trl_ext.cli_help import group_flags
-
     from transformers.hf_argparser import string_to_bool
+
+    from trl_ext.cli_help import group_flags
 
     p = group_flags(HfArgumentParser((RunArgs, ExtGRPOConfig)), ExtGRPOConfig)
     p.set_defaults(**TRAIN_DEFAULTS)  # the seed's validated values of TRL's fields (the Python API keeps TRL's)

@@ -136,11 +136,11 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
         none_ok = [not isinstance(f, torch.nn.Module) for f in self.reward_funcs]  # their NaN is a None
         nan = torch.isnan(rewards)
         bad = ~torch.isfinite(rewards) & ~(nan & torch.tensor(none_ok, device=rewards.device))
+        if faults:  # first, whatever the base reward (routing_rewards) put in place of the marked value
+            raise NumericFault(faults[0])
         refusal = self.none_reward_refusal() if bool(nan.any()) else None
         if not bool(bad.any()) and refusal is None:
             return
-        if faults:
-            raise NumericFault(faults[0])
         if bool(bad.any()):
             check_rewards(local, list(self.reward_func_names), completions, step, none_ok)  # names the local row
             raise NumericFault(f"step {step}: a reward function returned a non-finite value on another process")
@@ -247,7 +247,7 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin
             "step": [self.state.global_step + 1] * n, "sample": list(range(first, first + n)),
             "group": [(first + i) // self.num_generations for i in range(n)], "prompt": prompts,
             "completion": completions,
-            "segments": segments, "reward": (rewards * weights).nansum(1).double().tolist(),
+            "segments": segments, "reward": rollouts.weighted_reward(rewards, weights).tolist(),
             **{f"reward/{name}": rewards[:, j].double().tolist() for j, name in enumerate(self.reward_func_names)},
             **{f"eval_reward/{name}": [float(v) for v in values] for name, values in eval_values.items()},
             "advantage": rollouts.sequence_values(batch["advantages"].detach(), trained),

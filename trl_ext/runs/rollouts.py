@@ -65,6 +65,14 @@ def split_segments(ids: list[int], trained: list[int], decode) -> list[dict]:
     return segments
 
 
+def weighted_reward(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The saved ``reward`` of each sample ([N, F] rewards, [F] weights), as TRL 1.16 sums it: the weighted sum over
+    the reward functions with a None (NaN) counting 0, and NaN where every function returned None (TRL's
+    unscorable completion, which it keeps out of the group baseline)."""
+    total = (rewards * weights.to(rewards.device).unsqueeze(0)).nansum(1).double()
+    return torch.where(torch.isnan(rewards).all(1), torch.nan, total)
+
+
 def sequence_values(values: torch.Tensor, mask: torch.Tensor) -> list[float]:
     """Per-sequence values of a [B] tensor, or the masked mean of a [B, T] one."""
     if values.dim() == 1:
