@@ -18,9 +18,10 @@ from trl_ext.registry import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-ONE_PROCESS_ONLY = {"rebuild_builtin", "vllm", "continuous_batching"}
+ONE_PROCESS_ONLY = {"rebuild_builtin", "continuous_batching"}
 UNSHARDED = {"routing", "distill", "offpolicy", "env", "sft", "fast", "saved_rollouts", "eval_loop", "vllm",
              "continuous_batching"}  # fmt: skip
+FSDP2_TOO = {"saved_rollouts", "eval_loop"}  # unsharded parts that run under FSDP2 (not DeepSpeed): test_procs_runs
 
 
 def _parse(*argv: str):
@@ -38,20 +39,21 @@ def test_registries_list_the_parts():
         FEATURES.get("nope")
     order = [p.name for p in registered()]  # the order refusals are asked in (train.py's order before registries)
     assert order == ["routing", "lora", "rebuild_builtin", "distill", "offpolicy", "env", "env", "sft", "fast",
-                     "offpolicy", "saved_rollouts", "stories", "dataset", "eval_loop", "trl", "vllm",
-                     "continuous_batching"]  # fmt: skip
+                     "offpolicy", "saved_rollouts", "stories", "dataset", "eval_loop", "trl",
+                     "continuous_batching", "vllm"]  # fmt: skip
 
 
 @pytest.mark.parametrize("launch", [Launch(), Launch(2, "WORLD_SIZE"), Launch(sharding="FSDP"),
                                     Launch(sharding="DeepSpeed"), Launch(4, "SLURM_NTASKS", "FSDP")])  # fmt: skip
 def test_supports_answers_as_before(launch):
-    """One process: everything. Several: not vLLM, continuous batching nor --rebuild_builtin. Sharded: none of the
-    features nor engines that read or copy whole parameters; the plain parts (story / dataset prompts, TRL's
-    generation, PEFT LoRA) everywhere."""
+    """One process: everything. Several: not continuous batching nor --rebuild_builtin. Sharded: none of the
+    features nor engines that read or copy whole parameters (saved rollouts and TRL's eval loop: not under DeepSpeed);
+    the plain parts (story / dataset prompts, TRL's generation, PEFT LoRA) everywhere."""
     for part in registered():
         reason = part.supports(launch)
         several = launch.processes > 1 and part.name in ONE_PROCESS_ONLY
         sharded = launch.sharding is not None and part.name in UNSHARDED and not isinstance(part, PromptSource)
+        sharded = sharded and not (launch.sharding == "FSDP" and part.name in FSDP2_TOO)
         assert (reason is not None) == (several or sharded), (part.name, launch, reason)
         if several:
             assert reason.startswith(f"{part.what} runs on one process for now; this launch has {launch.processes} "
@@ -69,7 +71,8 @@ def test_supports_answers_as_before(launch):
     (["--teacher_tau", "0.1", "--teacher_context", "x", "--lora_rank", "4"], "stories", ["trl"],
      ["routing", "lora", "distill"]),
 ])  # fmt: skip
-def test_resolve_selects_the_parts(argv, prompts, generation, features):
+def test_resolve_selects_the_parts(argv, prompts, generation, features, monkeypatch):
+    monkeypatch.setattr("trl_ext.vllm.args.vllm_installed", lambda: True)  # parses whether or not the extra is in
     run, cfg = _parse("--reward", "happy_binary", *argv)
     assembly = resolve(run, cfg)
     assert assembly.names() == {"prompts": [prompts], "generation": generation, "features": features}

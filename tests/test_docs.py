@@ -253,6 +253,7 @@ def _parse_eval(argv: list[str]) -> None:
 def _parse(command: Command, monkeypatch) -> None:
     for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)  # the launch is the command's, not this test process's
+    monkeypatch.setattr("trl_ext.vllm.args.vllm_installed", lambda: True)  # docs/vllm.md's commands need the extra
     script, argv, procs = _launch(_argv(command.text))
     if script == "train.py":
         _parse_train(argv, procs)

@@ -154,7 +154,6 @@ def test_samples_match_transformers_generate(builtin, temperature, top_k, top_p)
         (["--generation_backend", "fast", "--repetition_penalty", "1.2"], "--repetition_penalty 1.2 is not implemented"),
         (["--generation_backend", "fast", "--min_p", "0.1"], "--min_p 0.1 is not implemented"),
         (["--generation_backend", "fast", "--generation_kwargs", '{"num_beams": 2}'], "--generation_kwargs"),
-        (["--generation_backend", "fast", "--use_vllm"], "--use_vllm True is not implemented"),
         (["--generation_backend", "fast", "--cache_implementation", "static"], "--cache_implementation"),
         (["--generation_backend", "fast", "--temperature", "0"], "needs --temperature > 0"),
     ],

@@ -44,14 +44,14 @@ def test_clis_exit_2_under_a_launcher(cli, monkeypatch, capsys):
     import trl_ext.sweep
 
     main = {"train.py": trl_ext.cli_train.main, "eval_run.py": trl_ext.evaluate.main, "sweep.py": trl_ext.sweep.main}
-    argv = {"train.py": ["--reward", "happy_binary", "--use_vllm"], "eval_run.py": ["--model_path", "x"],
+    argv = {"train.py": ["--reward", "happy_binary", "--use_transformers_continuous_batching"], "eval_run.py": ["--model_path", "x"],
             "sweep.py": ["--reward", "happy_binary"]}  # fmt: skip
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main[cli](argv[cli]) == 2
     err = capsys.readouterr().err
     if cli == "train.py":
-        assert err.startswith("train.py: error: --use_vllm: vLLM generation runs on one process for now; this launch "
-                              "has 2 processes (WORLD_SIZE=2)")
+        assert err.startswith("train.py: error: --use_transformers_continuous_batching: continuous-batching "
+                              "generation runs on one process for now; this launch has 2 processes (WORLD_SIZE=2)")
     else:
         assert err.startswith(f"{cli}: error: {cli} was launched as 2 processes")
 
@@ -61,12 +61,13 @@ def test_torchrun_refused_feature_exits_2_without_a_run(tmp_path):
     """The real launcher with a feature that runs on one process for now: every rank exits 2 while parsing (torchrun
     names exit code 2 as the root cause) and no run directory is written."""
     out = tmp_path / "out"
-    cmd = torchrun_command(["train.py", "--reward", "happy_binary", "--use_vllm", "--max_steps", "1",
+    cmd = torchrun_command(["train.py", "--reward", "happy_binary", "--use_transformers_continuous_batching",
+                            "--max_steps", "1",
                             "--no_wandb", "--output_dir", str(out)])  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode != 0
-    assert "train.py: error: --use_vllm: vLLM generation runs on one process for now; this launch has " \
-           "2 processes (WORLD_SIZE=2)" in proc.stderr
+    assert "train.py: error: --use_transformers_continuous_batching: continuous-batching generation runs on one " \
+           "process for now; this launch has 2 processes (WORLD_SIZE=2)" in proc.stderr
     assert "exitcode  : 2" in proc.stderr  # torchrun's root-cause report: the refusal, not a crash
     assert not out.exists()
 

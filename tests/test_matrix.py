@@ -33,9 +33,10 @@ REJECTED: dict[tuple[str, str, str], str] = {
 CELLS = list(itertools.product(ADAPTERS, ASYNC, TASKS, DISTILL))
 
 
-def cell_argv(adapter: str, k: str, task: str, distill: str, out, processes: int = 1) -> list[str]:
-    """train.py's flags of a cell: 2 steps of 8 completions (global: ``8 // processes`` per process)."""
-    argv = [*TASKS[task], *ADAPTERS[adapter], *ASYNC[k], *DISTILL[distill], "--batch_size", str(8 // processes),
+def cell_argv(adapter: str, k: str, task: str, distill: str, out, processes: int = 1, extra=()) -> list[str]:
+    """train.py's flags of a cell: 2 steps of 8 completions (global: ``8 // processes`` per process), then ``extra``
+    (the vLLM column: ``--use_vllm``, tests/test_vllm_matrix.py)."""
+    argv = [*TASKS[task], *ADAPTERS[adapter], *ASYNC[k], *DISTILL[distill], *extra, "--batch_size", str(8 // processes),
             "--num_generations", "4", "--max_steps", "2", "--logging_steps", "1", "--save_steps", "2", "--lr", "1e-4",
             "--no_wandb", "--save_rollouts", "--output_dir", str(out)]  # fmt: skip
     if adapter == "routed" and task != "story":
@@ -96,10 +97,11 @@ def test_every_cell_on_two_processes(builtin_path, tmp_path):
     assert len(lines) == len(CELLS) and all(": ok (" in line for line in lines), lines
 
 
-def run_all_cells(out: Path) -> int:
+def run_all_cells(out: Path, extra=(), check=check_cell) -> int:
     """Every cell through train.py's ``main`` in this process, one after another (under ``torchrun --nproc_per_node
-    2``: on 2 processes, 4 completions each, the global batch of the one-process cells); the main process checks each
-    finished run and prints one line per cell. Returns the number of failed cells."""
+    2``: on 2 processes, 4 completions each, the global batch of the one-process cells), with train.py flags ``extra``;
+    the main process checks each finished run (``check``) and prints one line per cell. Returns the number of failed
+    cells."""
     import os
     import time
     import traceback
@@ -108,18 +110,19 @@ def run_all_cells(out: Path) -> int:
     failed = 0
     for cell in CELLS:
         start, cell_out = time.time(), out / "-".join(cell)
-        code = cli.main(cell_argv(*cell, cell_out, processes=n))
+        code = cli.main(cell_argv(*cell, cell_out, processes=n, extra=extra))
         status = f"exit {code}"
         if code == 0 and rank == 0:
             try:
                 (run_dir,) = cell_out.iterdir()
-                check_cell(run_dir, *cell)
+                check(run_dir, *cell)
                 status = "ok"
             except AssertionError:
                 status = "invariant failed: " + traceback.format_exc().splitlines()[-2].strip()
         failed += status != "ok" and rank == 0
         if rank == 0:
-            print(f"[matrix x{n}] {'-'.join(cell)}: {status} ({time.time() - start:.1f} s)", flush=True)
+            label = f"x{n} {' '.join(extra)}".strip()
+            print(f"[matrix {label}] {'-'.join(cell)}: {status} ({time.time() - start:.1f} s)", flush=True)
     return failed
 
 

@@ -46,7 +46,6 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--max_async_level", "1", "--kl_tau", "-1"], "kl_tau must be >= 0"),
         (["--max_async_level", "1", "--generator_threads", "-1"], "--generator_threads must be >= 0"),
         (["--token_mask_high", "4"], "--token_mask_high has no effect with --max_async_level 0"),
-        (["--max_async_level", "2", "--use_vllm"], "--use_vllm with --max_async_level >= 1 is not implemented"),
         (["--max_async_level", "2", "--epsilon", "0.3"], "--epsilon 0.3 is not supported with --max_async_level 2"),
         (["--max_async_level", "2", "--num_iterations", "2"], "--num_iterations"),
         (["--max_async_level", "2", "--loss_type", "cispo"], "dr_grpo"),

@@ -14,6 +14,7 @@ launches (``python tests/test_procs.py equivalence OUT MODEL`` under torchrun or
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -44,7 +45,6 @@ def _parse(argv: list[str]):
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("use_vllm", True, r"--use_vllm: vLLM generation"),
     ("use_transformers_continuous_batching", True,
      r"--use_transformers_continuous_batching: continuous-batching generation"),
 ])  # fmt: skip
@@ -63,8 +63,9 @@ def test_cfg_features_refused_on_two_processes(flag, value, message):
 def test_parsed_flag_refused_while_parsing(monkeypatch):
     """ExtGRPOConfig checks before TrainingArguments starts a process group (WORLD_SIZE alone: none could start)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"--use_vllm: vLLM generation runs on one process for now"):
-        _parse(["--reward", "happy_binary", "--use_vllm"])
+    with pytest.raises(ConfigError, match=r"--use_transformers_continuous_batching: continuous-batching generation "
+                                          r"runs on one process for now"):
+        _parse(["--reward", "happy_binary", "--use_transformers_continuous_batching"])
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -314,9 +315,10 @@ def test_refused_feature_exits_2_before_any_process_group(monkeypatch, capsys):
     from trl_ext.cli_train import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["--reward", "happy_binary", "--use_vllm"]) == 2
+    assert main(["--reward", "happy_binary", "--use_transformers_continuous_batching"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("train.py: error: --use_vllm: vLLM generation runs on one process for now")
+    assert err.startswith("train.py: error: --use_transformers_continuous_batching: continuous-batching generation "
+                          "runs on one process for now")
     assert not dist.is_initialized()
 
 
@@ -396,17 +398,19 @@ class ScriptedSampler:
                        [[version] * len(c) for c in ids])  # fmt: skip
 
 
-def run_equivalence(out: Path, model: str, env_model: str) -> None:
-    """One optimizer step of each `VARIANTS` entry on ``model`` (``env_model``, with the environment tokenizer, for
-    the environment); the main process saves the trainable parameters
-    (and, on one process, their initial values) to ``out``. Plain SGD, so that the step compares the gradients: Adam's
-    first step is lr * g / (|g| + eps), which turns float rounding of a near-zero gradient into up to lr differences
-    (measured: 9e-6 at lr 1e-3 for the full model)."""
+def run_equivalence(out: Path, model: str, env_model: str, only: tuple[str, ...] | None = None, **settings) -> None:
+    """One optimizer step of each `VARIANTS` entry (those named in ``only``, if given) on ``model`` (``env_model``,
+    with the environment tokenizer, for the environment), with the config ``settings`` added (``fsdp=True``:
+    tests/test_fsdp.py); the main process saves the trainable parameters (their full values: an FSDP2 parameter is
+    gathered from its DTensor shards) and, on one process, their initial values to ``out``. Plain SGD, so that the
+    step compares the gradients: Adam's first step is lr * g / (|g| + eps), which turns float rounding of a near-zero
+    gradient into up to lr differences (measured: 9e-6 at lr 1e-3 for the full model)."""
     import json
 
     import torch
     from datasets import Dataset
     from peft import LoraConfig
+    from torch.distributed.tensor import DTensor
 
     from trl_ext.config import train_config
     from trl_ext.trainer import ExtGRPOTrainer
@@ -425,10 +429,12 @@ def run_equivalence(out: Path, model: str, env_model: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     for variant, peft, extra, trainer_extra in VARIANTS(lora):
+        if only is not None and variant not in only:
+            continue
         cfg = train_config(output_dir=str(out / variant), per_device_train_batch_size=GLOBAL_BATCH // n,
                            max_steps=1, learning_rate=LR, optim="sgd", report_to=[], save_strategy="no",
                            logging_steps=1, seed=0, disable_dropout=True,
-                           **{"num_generations": GROUP, "max_completion_length": 8, **extra})  # fmt: skip
+                           **{"num_generations": GROUP, "max_completion_length": 8, **extra, **settings})  # fmt: skip
         data = {"model": model, "reward_funcs": [_length_reward],
                 "train_dataset": Dataset.from_dict({"prompt": PROMPTS * 4})}
         if cfg.env:  # the environment's levels and return, on the tiny model with the environment tokenizer
@@ -445,14 +451,20 @@ def run_equivalence(out: Path, model: str, env_model: str) -> None:
 
             rank = trainer.accelerator.process_index
             worker.make_sampler = lambda backend, m, tok=trainer.processing_class: ScriptedSampler(tok, rank)
-        model_ = trainer.accelerator.unwrap_model(trainer.model)
-        params = lambda: {k: p.detach().clone() for k, p in model_.named_parameters() if p.requires_grad}  # noqa: E731
+        model_ = trainer.accelerator.unwrap_model(trainer.model)  # FSDP2 shards this module in place
+
+        def params() -> dict:  # on every process (gathering a DTensor's full value is a collective)
+            full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
+            return {k: full(p).detach().clone() for k, p in model_.named_parameters() if p.requires_grad}
+
         if n == 1:
             (out / "init").mkdir(exist_ok=True)
             torch.save(params(), out / "init" / f"{variant}.pt")
         trainer.train()
+        final = params()
         if trainer.accelerator.is_main_process:
-            torch.save(params(), out / f"{variant}.pt")
+            torch.save(final, out / f"{variant}.pt")
+            (out / f"{variant}.parallelism.json").write_text(json.dumps(dataclasses.asdict(trainer.parallelism)))
             (out / f"{variant}.json").write_text(json.dumps(trainer.state.log_history[0]))
         trainer.accelerator.wait_for_everyone()
 

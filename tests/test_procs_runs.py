@@ -76,11 +76,13 @@ def echo(completions, answer, **kwargs):
 
 
 @pytest.mark.slow
-def test_torchrun_dataset_columns_and_eval_rewards(tmp_path):
-    """`--dataset` JSONL on 2 processes: every completion's reward reads its own row's ``answer`` column (through
-    TRL's keyword call), on both processes; the ``--eval_rewards`` mean in train.log is over the whole batch (it equals
-    the reward mean, the same function of the rows), and the saved rows agree. TRL's eval loop on ``--eval_dataset``
-    (8 rows, answers 100..107) logs the mean over all of them, 103.5 (either process's half alone: 101.5 or 105.5)."""
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp2"])
+def test_torchrun_dataset_columns_and_eval_rewards(tmp_path, sharding):
+    """`--dataset` JSONL on 2 processes, DDP or FSDP2: every completion's reward reads its own row's ``answer`` column
+    (through TRL's keyword call), on both processes; the ``--eval_rewards`` mean in train.log is over the whole batch
+    (it equals the reward mean, the same function of the rows), and the saved rows agree. TRL's eval loop on
+    ``--eval_dataset`` (8 rows, answers 100..107) logs the mean over all of them, 103.5 (either process's half alone:
+    101.5 or 105.5)."""
     import json
     import re
 
@@ -98,9 +100,10 @@ def test_torchrun_dataset_columns_and_eval_rewards(tmp_path):
                      "--dataset", str(data), "--eval_dataset", str(held_out), "--eval_strategy", "steps",
                      "--eval_steps", "2", "--per_device_eval_batch_size", "4", "--save_rollouts", "--max_steps", "2",
                      "--batch_size", "4", "--num_generations", "4", "--max_completion_length", "8", "--logging_steps",
-                     "1", "--no_wandb", "--output_dir", str(out)])  # fmt: skip
+                     "1", "--no_wandb", "--output_dir", str(out), *sharding])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = out.iterdir()
+    assert ("(gloo backend, FSDP2: " if sharding else "(gloo backend, DDP)") in (run_dir / "train.log").read_text()
     answer = {p.lower(): 10 * i + 1 for i, p in enumerate(PROMPTS)}
     for step in (1, 2):
         rows = load_rollouts(run_dir, step)

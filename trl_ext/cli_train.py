@@ -62,6 +62,7 @@ def build_plan(argv: list[str]) -> Plan:
     """Parse ``argv`` and validate the run; raises ConfigError (argparse itself exits 2 on bad flags)."""
     from rewards.config import load_reward_config
     from trl_ext.launch.processes import name_tag
+    from trl_ext.launch.sharding import sharding_tag
 
     # Several processes (torchrun) or sharding (FSDP, DeepSpeed): the registered parts a flag engages refuse what they
     # do not support while the flags parse (config.py -> trl_ext.launch); the allowed runs run as one DDP run.
@@ -84,7 +85,8 @@ def build_plan(argv: list[str]) -> Plan:
     assembly.check(plan)  # with the rewards, the data and --model's config (LoRA targets, architectures)
     base_args, named = assembly.prompts.naming(run, cfg)  # the default run the name is compared with
     default_run, default_cfg = parser().parse_args_into_dataclasses(args=base_args)
-    name = cfg.run_name or run_name(named, cfg, default_run, default_cfg, adapter_tag(run, cfg)) + name_tag()
+    name = cfg.run_name or (run_name(named, cfg, default_run, default_cfg, adapter_tag(run, cfg)) + name_tag()
+                            + sharding_tag(cfg))  # fmt: skip
     plan.run_dir = Path(cfg.output_dir) / name
     cfg.run_name = name
     cfg.output_dir = str(plan.run_dir)
@@ -150,7 +152,7 @@ def run_training(plan: Plan) -> int:
     from trl_ext.launch.processes import barrier
     from trl_ext.runs.preemption import PreemptionCallback, preemption_handler
     from trl_ext.runs.provenance import start_weights
-    from trl_ext.runs.rundir import start_on_main
+    from trl_ext.runs.rundir import add_launch_header, start_on_main
     from trl_ext.trainer import ExtGRPOTrainer
 
     run, cfg = plan.run, plan.cfg
@@ -168,6 +170,7 @@ def run_training(plan: Plan) -> int:
     tokenizer = prepare_tokenizer(load_tokenizer(model_path))
     build = assemble(plan, model_path, tokenizer, main_process)
     trainer = ExtGRPOTrainer(model=build.model, **build.kwargs)
+    add_launch_header(plan, trainer)  # train.log's launch line, once the model is prepared
     # recorded, or checked on a resume (ConfigError: exit 2)
     start_weights(plan, model_path, getattr(trainer, "distill_teacher", None))
     plan.assembly.before_train(build, trainer)  # --eval_baseline: the main process samples it, the others wait

@@ -30,6 +30,7 @@ from trl_ext.offpolicy.args import OffPolicyArgs
 from trl_ext.registry import ConfigError
 from trl_ext.routing.args import RoutingArgs
 from trl_ext.sft import SFTArgs
+from trl_ext.vllm.args import VLLMArgs
 
 PROMPT_SOURCES = (BUILTIN_PROMPTS, "simplestories")
 DEFAULT_PROMPT_LENGTH = 8  # story prompt prefix tokens (--prompt_length unset)
@@ -202,7 +203,7 @@ def train_config(**overrides) -> ExtGRPOConfig:
 
 
 @dataclass
-class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, GenerationArgs, GRPOConfig):
+class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, VLLMArgs, GenerationArgs, GRPOConfig):
     """`trl.GRPOConfig` with the project's defaults and extension fields."""
 
     _argument_group_name = "monitoring and saved rollouts (trl_ext)"  # train.py --help group (cli_help.py)
@@ -261,6 +262,7 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, G
         self.validate_offpolicy()
         self.validate_env()
         self.validate_sft()
+        self.validate_vllm()
         self.validate_generation()
         arm = self.baseline or (self.renormalization if self.gradient_routing else None)
         check_estimator_flags(adv_estimator=self.adv_estimator, distill_on=self.distill_on, routing_arm=arm)

@@ -42,7 +42,9 @@ NOT_DEFINING = {
     "zero_signal_patience", "num_completions_to_print", "disable_tqdm", "overwrite_output_dir",
     "resume_from_checkpoint", "overwrite_run", "generation_batch_size", "eval_routing_steps", "logging_dir",
     "do_eval", "per_device_eval_batch_size", "num_generations_eval",  # TRL's eval loop (--eval_dataset)
+    "parallelism",  # run_config.yaml's launch.parallelism: read from the prepared model, it describes the run
 }  # fmt: skip
+NOT_IN_NAME = {"fsdp", "fsdp_config"}  # named by the launch tag (_fsdp2); a resume still compares them
 NOT_DEFINING_PREFIXES = ("logging_", "log_", "save_", "hub_", "push_to_hub", "dataloader_", "eval_", "wandb_")
 MAX_NAME = 200
 
@@ -96,7 +98,8 @@ def run_name(run, cfg, default_run, default_cfg, adapter: str) -> str:
         f"_bs{cfg.per_device_train_batch_size}_ng{cfg.num_generations}_{adapter}_{length_tag(cfg)}_s{cfg.seed}"
     )
     extras = {**changed_fields(run, default_run), **changed_fields(cfg, default_cfg)}
-    parts = [f"{k}{fmt_value(v)}" for k, v in sorted(extras.items()) if k not in CORE_FIELDS and is_defining(k)]
+    parts = [f"{k}{fmt_value(v)}" for k, v in sorted(extras.items())
+             if k not in CORE_FIELDS and k not in NOT_IN_NAME and is_defining(k)]
     name = "_".join([core, *parts])
     if len(name) > MAX_NAME:  # keep names within filesystem limits; the hash keeps them distinct
         digest = hashlib.sha1(name.encode()).hexdigest()[:10]

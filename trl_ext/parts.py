@@ -136,7 +136,8 @@ MODULES = (
     "trl_ext.offpolicy.source",  # generation: offpolicy (the generator thread)
     "trl_ext.runs.register",  # saved_rollouts
     "trl_ext.prompts",  # prompts: stories (the default), dataset; eval_loop
-    "trl_ext.generation.trl_engine",  # generation: trl, vllm, continuous_batching
+    "trl_ext.generation.trl_engine",  # generation: trl, continuous_batching
+    "trl_ext.vllm.register",  # generation: vllm
 )
 """The registering modules, in the order their parts are asked in (launch refusals, checks, building)."""
 

@@ -80,8 +80,8 @@ class DatasetPrompts(RewardPrompts):
 
 
 class EvalLoop(Feature):
-    """TRL's eval loop on ``--eval_dataset`` (``--eval_strategy steps|epoch``). Not under FSDP / DeepSpeed: not run
-    there yet."""
+    """TRL's eval loop on ``--eval_dataset`` (``--eval_strategy steps|epoch``). Under FSDP2 too (TRL generates from the
+    sharded model, as in training: tests/test_procs_runs.py); not under DeepSpeed: not run there yet."""
 
     what = "TRL's eval loop"
     flags = ("eval_strategy",)
@@ -90,7 +90,7 @@ class EvalLoop(Feature):
         return run.eval_dataset is not None
 
     def supports(self, launch) -> str | None:
-        return launch.unsharded(self.what)
+        return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
     def contribute(self, build) -> None:
         build.kwargs["eval_dataset"] = build.plan.eval_data.dataset

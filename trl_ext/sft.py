@@ -127,7 +127,7 @@ def run_sft(plan) -> int:
     from trl_ext.runs.mixin import CheckpointMixin
     from trl_ext.runs.preemption import PreemptionCallback, preemption_handler
     from trl_ext.runs.provenance import start_weights
-    from trl_ext.runs.rundir import start_on_main
+    from trl_ext.runs.rundir import add_launch_header, start_on_main
 
     class CheckpointedSFTTrainer(CheckpointMixin, SFTTrainer):
         """TRL's SFTTrainer with atomic checkpoints and loud numeric faults (`trl_ext.runs.mixin`)."""
@@ -163,6 +163,7 @@ def run_sft(plan) -> int:
     )  # fmt: skip
     trainer = CheckpointedSFTTrainer(model=model, args=sft_cfg, train_dataset=Dataset.from_list(records),
                          processing_class=tokenizer, peft_config=peft_config)  # fmt: skip
+    add_launch_header(plan, trainer)  # train.log's launch line, once the model is prepared
     start = time.time()
     with preemption_handler() as flag:  # SIGTERM: a checkpoint at the next step boundary, then exit 0 (as GRPO runs)
         preemption = PreemptionCallback(flag, trainer.accelerator)

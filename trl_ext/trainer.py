@@ -47,12 +47,13 @@ from trl_ext.routing.trainer import RoutingMixin
 from trl_ext.runs import rollouts
 from trl_ext.runs.faults import NumericFault, check_rewards, guard_reward
 from trl_ext.runs.mixin import CheckpointMixin
+from trl_ext.vllm.trainer import VLLMMixin
 
 TextReward = Callable[[list[str]], list[float]]
 
 
-class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, OffPolicyMixin, EnvMixin, GenerationMixin,
-                     GRPOTrainer):
+class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, VLLMMixin, OffPolicyMixin, EnvMixin,
+                     GenerationMixin, GRPOTrainer):
     def __init__(self, *args, eval_reward_funcs: dict[str, TextReward] | None = None,
                  reward_names: list[str] | None = None, **kwargs):
         """GRPOTrainer's arguments, the feature mixins' keyword arguments (routing: ``rh_detector``, ...),

@@ -9,12 +9,14 @@ from trl_ext.env.episodes import log_episodes, log_words, play_episodes, row_env
 
 def env_rollout(prompts: list, trainer) -> dict:
     """TRL ``rollout_func``: play one episode per prompt (environment and level from the batch rows: ``env``,
-    ``env_seed``) with TRL's generation."""
+    ``env_seed``) with TRL's generation. The sampling log-probs, when the engine gives them, reach TRL as
+    ``logprobs`` (its vLLM importance-sampling correction reads them; environment tokens carry 0 and env_mask 0)."""
     rows = trainer._env_rows
     seeds = [row["env_seed"] for row in rows]
 
-    def generate(contexts):
-        return trainer._generate_single_turn(contexts, None, {}, 1)[0], None, None
+    def generate(contexts):  # the engine's sampling log-probs when it returns them (vLLM, the fast backend)
+        ids, logprobs = trainer._generate_single_turn(contexts, None, {}, 1)[:2]
+        return ids, logprobs, None if logprobs is None else [[0] * len(row) for row in ids]
 
     out = play_episodes(prompts, seeds, trainer.args, trainer.processing_class, generate, row_envs(rows))
     trainer._env_trajectories = out.pop("trajectories")  # for an environment RH detector (RoutingMixin._detect)

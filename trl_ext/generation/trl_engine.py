@@ -1,5 +1,6 @@
 """Registration of TRL's own generation (`trl_ext.parts.GENERATION_SOURCES` "trl", and its engines "vllm" and
-"continuous_batching", selected by TRL's flags ``--use_vllm`` / ``--use_transformers_continuous_batching``)."""
+"continuous_batching", selected by TRL's flag ``--use_transformers_continuous_batching``; vLLM's is
+``trl_ext.vllm.register``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,5 @@ class TrlEngine(GenerationSource):
 
 
 GENERATION_SOURCES.add("trl", TrlGenerate())
-GENERATION_SOURCES.add("vllm", TrlEngine("use_vllm", "vLLM generation"))
 GENERATION_SOURCES.add("continuous_batching", TrlEngine("use_transformers_continuous_batching",
                                                         "continuous-batching generation"))

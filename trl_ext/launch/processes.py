@@ -173,15 +173,17 @@ def end_processes() -> None:
         dist.destroy_process_group()
 
 
-def describe_launch(cfg) -> str:
-    """train.log's header line: processes and the global batch (TRL's per_device_train_batch_size is per process)."""
+def describe_launch(cfg, parallelism: str = "DDP") -> str:
+    """train.log's header line: processes, the ``parallelism`` in effect (read from the prepared model:
+    `trl_ext.launch.fsdp.Parallelism.describe`) and the global batch (TRL's per_device_train_batch_size is per
+    process)."""
     _, n = world()
     per, steps = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
     accumulation = f" x {steps} accumulation steps" if steps > 1 else ""
     if n == 1:
         return f"processes: 1; batch: {per} completions per process{accumulation} = {per * steps} per optimizer step"
-    return (f"processes: {n} ({cfg.ddp_backend or 'default'} backend, DDP); batch: {per} completions per process "
-            f"x {n} processes{accumulation} = {per * n * steps} completions per optimizer step (global)")
+    return (f"processes: {n} ({cfg.ddp_backend or 'default'} backend, {parallelism}); batch: {per} completions per "
+            f"process x {n} processes{accumulation} = {per * n * steps} completions per optimizer step (global)")
 
 
 def name_tag(environ: Mapping[str, str] | None = None) -> str:

@@ -12,7 +12,7 @@ from trl_ext.registry import ConfigError
 
 _PPO_ONLY = ("epsilon", "epsilon_high", "delta", "importance_sampling_level", "top_entropy_quantile",
              "off_policy_mask_threshold", "entropy_coef", "use_adaptive_entropy",
-             "num_iterations", "min_p", "repetition_penalty", "generation_kwargs", "use_vllm",
+             "num_iterations", "min_p", "repetition_penalty", "generation_kwargs",
              "use_transformers_continuous_batching", "steps_per_generation", "generation_batch_size")  # fmt: skip
 """GRPOConfig fields that must keep TRL's default when max_async_level > 0 (unused by, or incompatible with, the
 off-policy loss and the generator thread)."""
@@ -74,12 +74,6 @@ class OffPolicyArgs:
                 raise ConfigError(f"--{changed[0]} has no effect with --max_async_level 0 (on-policy: TRL's own loss)")
             return
         NORMALISATIONS.get(self.loss_type)
-        if self.use_vllm:
-            raise ConfigError(
-                "--use_vllm with --max_async_level >= 1 is not implemented: the asynchronous generator is a copy of "
-                "the policy sampled in a thread on the training device (docs/offpolicy.md); use "
-                "--max_async_level 0 for TRL's synchronous vLLM path"
-            )
         defaults = {f.name: f.default for f in fields(GRPOConfig)}
         for name in _PPO_ONLY:
             if getattr(self, name) != defaults[name] and not (name == "steps_per_generation" and self._spg_is_ga()):

@@ -47,6 +47,11 @@ class OffPolicyMixin:
     """GRPOTrainer hooks for max_async_level > 0; every hook is a plain pass-through when it is 0."""
 
     _pending_rollout = None  # the generator's rollout of the batch being built (also on a trainer built without __init__)
+    vllm_offpolicy = False  # an engine samples (trl_ext.vllm.trainer.VLLMMixin sets it)
+
+    def rollout_sampler(self, model):
+        """The generator's sampler over its copy ``model`` when an engine provides one (`VLLMMixin`), else None."""
+        return None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -63,8 +68,11 @@ class OffPolicyMixin:
         if not hasattr(self.train_dataset, "__getitem__"):
             raise ConfigError("--max_async_level >= 1 needs an indexable (map-style) train dataset")
         self.add_callback(_PublishWeights(self))
-        backend = self.args.generation_backend
-        print(f"off-policy generator: {DESCRIPTIONS[backend]} (--generation_backend {backend})", flush=True)
+        if self.vllm_offpolicy:
+            print("off-policy generator: a vLLM engine (--use_vllm; trl_ext.vllm.engine)", flush=True)
+        else:
+            backend = self.args.generation_backend
+            print(f"off-policy generator: {DESCRIPTIONS[backend]} (--generation_backend {backend})", flush=True)
 
     # ------------------------------------------------------------------ generator lifecycle
     def train(self, *args, **kwargs):
@@ -77,11 +85,12 @@ class OffPolicyMixin:
         args, start = self.args, self.state.global_step
         model = self.accelerator.unwrap_model(self.model)
         gen_model = generation_copy(model)
+        sampler = self.rollout_sampler(gen_model)  # an engine's (--use_vllm), else --generation_backend's
         store = PolicyStore()
         store.publish(start, model)
         self._saved_threads = torch.get_num_threads()
         gen_threads = None
-        if next(gen_model.parameters()).device.type == "cpu":
+        if next(gen_model.parameters()).device.type == "cpu" and sampler is None:  # an engine samples elsewhere
             gen_threads = args.generator_threads or max(1, self._saved_threads // 2)
             torch.set_num_threads(max(1, self._saved_threads - gen_threads))
         params = SamplingParams(
@@ -94,7 +103,7 @@ class OffPolicyMixin:
             start_step=start, seed=args.seed, rank=self.accelerator.process_index, backend=args.generation_backend,
             num_threads=gen_threads,
             autocast=self.accelerator.autocast,
-            episode_fn=self._episode_fn() if args.env else None,
+            episode_fn=self._episode_fn() if args.env else None, sampler=sampler,
         )  # fmt: skip
         self._prompt_batches = self._prompt_stream(start)
         self._submitted = start - 1
@@ -120,6 +129,9 @@ class OffPolicyMixin:
         if self._rollout_worker is None:
             return
         self._rollout_worker.stop()
+        close = getattr(self._rollout_worker.sampler, "close", None)
+        if close is not None:
+            close()
         self._rollout_worker = None
         torch.set_num_threads(self._saved_threads)
 

@@ -167,8 +167,9 @@ class RolloutWorker:
     The trainer ``submit``s the prompts of batch i (rows and token ids, tokenized in the trainer thread), ``publish``es
     weights to ``store`` after every optimizer step and ``get``s batch n at step n. ``on_step(index, t)`` is a test
     hook called in the generator thread before each forward pass. ``backend`` names the sampler
-    (``trl_ext.generation.backends``: ``trl`` or ``fast``), built over ``model``. On several processes each process
-    runs its own worker on its slice of every batch (``rank`` seeds its sampling: `batch_seed`); all of them follow
+    (``trl_ext.generation.backends``: ``trl`` or ``fast``), built over ``model``, unless ``sampler`` is given (an
+    engine's sampler over ``model`` with the same ``sample`` interface: ``trl_ext.vllm.engine.VLLMSampler``). On
+    several processes each process runs its own worker on its slice of every batch (``rank`` seeds its sampling: `batch_seed`); all of them follow
     the same schedule, and every process trains step n on batch n, in lockstep through DDP.
 
     ``episode_fn(rows, sample_turn)``, when given, plays each batch as environment episodes
@@ -193,6 +194,7 @@ class RolloutWorker:
         autocast: Callable[[], AbstractContextManager] = nullcontext,
         on_step: Callable[[int, int], None] | None = None,
         episode_fn: Callable[[list[dict], Callable], dict] | None = None,
+        sampler=None,
     ) -> None:
         if max_async_level < 1:
             raise ValueError(f"RolloutWorker needs max_async_level >= 1, got {max_async_level}")
@@ -205,7 +207,7 @@ class RolloutWorker:
         self.error: BaseException | None = None
         self._params = dict(model.named_parameters())
         self.backend = backend
-        self.sampler = make_sampler(backend, model)
+        self.sampler = make_sampler(backend, model) if sampler is None else sampler
         self._jobs: dict[int, tuple[list[dict], list[list[int]]]] = {}
         self._jobs_cond = threading.Condition()
         self._stop = threading.Event()

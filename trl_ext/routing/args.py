@@ -240,8 +240,11 @@ class RoutingArgs:
             raise ConfigError(f"--eval_routing_steps must be >= 0, got {self.eval_routing_steps}")
         if self.eval_routing_prompts < 2:
             raise ConfigError(f"--eval_routing_prompts must be >= 2, got {self.eval_routing_prompts}")
-        if self.dual_lora and (self.use_vllm or self.sync_ref_model):
-            raise ConfigError("dual LoRA supports neither --use_vllm nor --sync_ref_model")
+        if self.dual_lora and self.sync_ref_model:
+            raise ConfigError("dual LoRA does not support --sync_ref_model")
+        if self.dual_lora and self.use_vllm and self.adapter_type == "mlp":
+            raise ConfigError("--use_vllm: MLP adapters (--adapter_type mlp) add neurons that cannot merge into the "
+                              "weights a vLLM engine runs; use dual LoRA adapters, or drop --use_vllm")
 
 
 def check_run_routing(run, cfg, reward_config) -> str | None:

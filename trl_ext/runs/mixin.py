@@ -6,6 +6,8 @@
   scheduler, RNG states and trainer state and skips the batches already trained.
 - Numeric faults: a NaN/inf loss or gradient norm stops the run before the optimizer applies it; the last good state
   (the weights and optimizer after the previous step) is saved as a checkpoint first, its marker naming the fault.
+- Sharding (inherited from `trl_ext.launch.fsdp.ShardingMixin`): FSDP on CPU processes, and the parallelism in effect
+  read from the prepared model (``self.parallelism``), a ConfigError when a requested sharding is not in effect.
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ from pathlib import Path
 
 import torch
 
+from trl_ext.launch.fsdp import ShardingMixin
 from trl_ext.runs.checkpoints import RUN_CONFIG, is_complete, mark_complete
 from trl_ext.runs.faults import NumericFault
 
 STATE_FILE = "trl_ext_state.json"
 
 
-class CheckpointMixin:
-    """Atomic checkpoints, project state across resume, and loud numeric faults (see the module docstring)."""
+class CheckpointMixin(ShardingMixin):
+    """Atomic checkpoints, project state across resume, and loud numeric faults (see the module docstring). Every
+    trainer of a run inherits it, so it carries `ShardingMixin`'s hooks too."""
 
     def checkpoint_state(self) -> dict:
         """Project state to save with each checkpoint (JSON); subclasses extend it."""

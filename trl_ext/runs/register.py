@@ -7,14 +7,14 @@ from trl_ext.parts import FEATURES, Feature
 
 
 class SavedRollouts(Feature):
-    """Every trained sample written to ``{run_dir}/rollouts/`` (the trainer reads the flag). Not under FSDP /
-    DeepSpeed: not run there yet."""
+    """Every trained sample written to ``{run_dir}/rollouts/`` (the trainer reads the flag). Under FSDP2 too (rows, not
+    parameters: tests/test_procs_runs.py); not under DeepSpeed: not run there yet."""
 
     what = "saved rollouts"
     flags = ("save_rollouts",)
 
     def supports(self, launch) -> str | None:
-        return launch.unsharded(self.what)
+        return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
 
 FEATURES.add("saved_rollouts", SavedRollouts())

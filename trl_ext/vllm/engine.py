@@ -1,0 +1,192 @@
+"""A vLLM engine that samples the project's rollouts: `VLLMEngine` (start, weight loading, per-token behaviour
+log-probs) and `VLLMSampler` (the off-policy generator's sampler interface over it, ``trl_ext.offpolicy.worker``).
+
+Weights reach the engine as a checkpoint: the policy's merged state dict (``trl_ext.vllm.weights``) is written as
+safetensors to a fresh directory (in ``/dev/shm`` where it exists) and every engine worker reloads it with vLLM's
+``reload_weights(weights_path=...)``, then the prefix cache is reset. That is prime-rl's path (its inference server
+reloads a checkpoint the trainer wrote), and it is the one that works on CPU: CPU vLLM prepacks each linear weight and
+leaves an empty ``Parameter`` behind, so TRL's in-place ``load_weights`` fails there, while a reload repacks.
+
+Behaviour log-probs: ``logprobs_mode="processed_logprobs"`` and ``logprobs=0`` give, per generated token, the log-prob
+of the sampled token under ``log_softmax(logits / temperature)``, which is what the trainer's forward computes; top-k
+/ top-p / min-p / penalties would change it (the off-policy flags refuse them with vLLM).
+
+In-flight updates (``--max_async_level >= 1`` non-strict): vLLM decodes a whole request per call, so the sampler
+decodes in chunks of ``inflight_tokens`` tokens; before each chunk the generator may load a newer policy, and the next
+chunk continues every unfinished row from its prompt and the tokens so far with the new weights (its prefix is
+re-encoded: the prefix cache is reset at every load). Every token is stamped with the version of the chunk that
+sampled it, so its behaviour log-prob is exactly that policy's, given its prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from trl_ext.generation.sampler import Sampled, SamplingParams
+from trl_ext.vllm.weights import merged_state_dict
+
+CPU_KVCACHE_GIB = 1
+"""``VLLM_CPU_KVCACHE_SPACE`` (GiB) when the environment does not set it: unset, vLLM sizes the CPU KV cache from
+the machine's memory (tens of GiB per engine)."""
+MAX_SEED = 2**31 - 1
+
+
+def cpu_settings(environ=os.environ) -> dict[str, str]:
+    """Set vLLM's CPU defaults that are unset (`CPU_KVCACHE_GIB`); return the values in effect, for train.log."""
+    environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KVCACHE_GIB))
+    return {"VLLM_CPU_KVCACHE_SPACE": environ["VLLM_CPU_KVCACHE_SPACE"]}
+
+
+def weights_dir() -> str:
+    """A fresh directory for one published checkpoint (``/dev/shm`` when it exists: memory, not disk)."""
+    return tempfile.mkdtemp(prefix="trl_ext_vllm_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
+def write_checkpoint(model: nn.Module, directory: str) -> str:
+    """``model``'s merged weights (``trl_ext.vllm.weights``) as ``directory/model.safetensors``."""
+    from safetensors.torch import save_file
+
+    state = {k: v.cpu() for k, v in merged_state_dict(model).items()}
+    path = os.path.join(directory, "model.safetensors")
+    save_file(state, path)
+    return path
+
+
+_ENGINES: dict[tuple, object] = {}
+
+
+def shared_llm(build, **kwargs):
+    """``build(**kwargs)`` (``vllm.LLM``), once per process for the same arguments: a later trainer of the process
+    (the Python API, an in-process sweep) reuses the engine, whose memory vLLM does not free when another one starts.
+    Reuse is sound because every user loads the current policy before its first generation."""
+    key = tuple(sorted(kwargs.items()))
+    if key not in _ENGINES:
+        _ENGINES[key] = build(**kwargs)
+    return _ENGINES[key]
+
+
+class VLLMEngine:
+    """A ``vllm.LLM`` over ``model_path`` (the policy's starting checkpoint: config, tokenizer, weights), shared by the
+    process's later engines with the same settings (`shared_llm`)."""
+
+    def __init__(self, model_path: str, *, dtype: str, max_model_len: int, seed: int, gpu_memory_utilization: float,
+                 trust_remote_code: bool = False, enforce_eager: bool = True) -> None:  # fmt: skip
+        from vllm import LLM
+
+        cpu_settings()
+        self.llm = shared_llm(LLM, model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                              gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
+                              enforce_eager=enforce_eager, logprobs_mode="processed_logprobs")  # fmt: skip
+        self.loads = 0
+        self._dir: str | None = None
+
+    def load(self, model: nn.Module) -> None:
+        """Load ``model``'s current weights (adapters merged) into every engine worker."""
+        directory = weights_dir()
+        try:
+            write_checkpoint(model, directory)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": directory, "is_checkpoint_format": True})
+            self.llm.reset_prefix_cache()
+        finally:
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = directory
+        self.loads += 1
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, max_tokens: list[int],
+                 seeds: list[int | None]) -> list[tuple[list[int], list[float]]]:  # fmt: skip
+        """(token ids, their behaviour log-probs) of one continuation per prompt, at most ``max_tokens[i]`` tokens;
+        a row stops at an EOS of ``params.eos_token_ids`` (kept, as the project's samplers keep it)."""
+        from vllm import SamplingParams as VParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        sps = [VParams(max_tokens=n, temperature=params.temperature, logprobs=0, seed=s, ignore_eos=True,
+                       stop_token_ids=list(params.eos_token_ids), detokenize=False)
+               for n, s in zip(max_tokens, seeds, strict=True)]  # fmt: skip
+        outs = self.llm.generate(prompts, sps, use_tqdm=False)
+        result = []
+        for out in outs:
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            result.append((ids, [step[tok].logprob for step, tok in zip(o.logprobs, ids, strict=True)]))
+        return result
+
+    def close(self) -> None:
+        """Drop the last checkpoint file (the engine stays for the process's next user: `shared_llm`; vLLM shuts
+        its processes down at exit)."""
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+def _cut_at_stop(ids: list[int], stops: tuple[tuple[int, ...], ...]) -> int | None:
+    """Length of ``ids`` up to and including the first complete stop sequence, or None."""
+    best = None
+    for seq in stops:
+        n = len(seq)
+        for end in range(n, len(ids) + 1):
+            if tuple(ids[end - n : end]) == seq:
+                best = end if best is None else min(best, end)
+                break
+    return best
+
+
+class VLLMSampler:
+    """The off-policy generator's sampler (``sample(prompt_ids, params, rng, before_step) -> Sampled``) over a
+    `VLLMEngine`. ``model`` is the generator's copy of the policy: when ``before_step`` reports a version other than
+    the engine's, the copy's weights are loaded into the engine. ``inflight_tokens`` None decodes each row in one call
+    (strict mode: the version cannot change within a batch); otherwise in chunks of that many tokens."""
+
+    def __init__(self, model: nn.Module, engine: VLLMEngine, inflight_tokens: int | None) -> None:
+        if inflight_tokens is not None and inflight_tokens < 1:
+            raise ValueError(f"inflight_tokens must be >= 1, got {inflight_tokens}")
+        self.model, self.engine, self.inflight_tokens = model, engine, inflight_tokens
+        self.engine_version: int | None = None
+
+    def _sync(self, version: int) -> None:
+        if version != self.engine_version:
+            self.engine.load(self.model)
+            self.engine_version = version
+
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams, rng: torch.Generator | None = None,
+               before_step: Callable[[int], int] | None = None) -> Sampled:  # fmt: skip
+        if not prompt_ids or min(len(p) for p in prompt_ids) == 0:
+            raise ValueError("every prompt needs at least one token")
+        n, limit = len(prompt_ids), params.max_new_tokens
+        seeds: list[int | None] = [None] * n
+        if rng is not None:  # one request seed per row, drawn from the batch's generator (reproducible runs)
+            seeds = torch.randint(0, MAX_SEED, (n,), generator=rng, device=rng.device).tolist()
+        ids: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] = [[] for _ in range(n)]
+        versions: list[list[int]] = [[] for _ in range(n)]
+        done = [False] * n
+        eos = set(params.eos_token_ids)
+        t, chunk = 0, 0
+        while t < limit and not all(done):
+            version = before_step(t) if before_step is not None else 0
+            self._sync(version)
+            size = limit - t if self.inflight_tokens is None else min(self.inflight_tokens, limit - t)
+            active = [i for i in range(n) if not done[i]]
+            outs = self.engine.generate(
+                [prompt_ids[i] + ids[i] for i in active], params, [size] * len(active),
+                [None if seeds[i] is None else (seeds[i] + 104_729 * chunk) % MAX_SEED for i in active],
+            )  # fmt: skip
+            for i, (new_ids, new_lps) in zip(active, outs, strict=True):
+                ids[i] += new_ids
+                logps[i] += new_lps
+                versions[i] += [version] * len(new_ids)
+                cut = _cut_at_stop(ids[i], params.stop_sequences) if params.stop_sequences else None
+                if cut is not None:
+                    del ids[i][cut:], logps[i][cut:], versions[i][cut:]
+                if cut is not None or (new_ids and new_ids[-1] in eos) or len(new_ids) < size:
+                    done[i] = True
+            t += size
+            chunk += 1
+        return Sampled(ids, logps, versions)

@@ -1,0 +1,30 @@
+"""Registration of vLLM generation (`trl_ext.parts.GENERATION_SOURCES` "vllm": TRL's ``--use_vllm``), synchronous
+(TRL's colocate engine with the project's weight sync, ``trl_ext.vllm.trainer``) or as the off-policy generator's
+engine (``--max_async_level >= 1``, ``trl_ext.vllm.engine``)."""
+
+from __future__ import annotations
+
+from trl_ext.parts import GENERATION_SOURCES, GenerationSource
+
+
+class VLLM(GenerationSource):
+    """vLLM generation on one or several processes (each process its own engine). Not yet under FSDP / DeepSpeed:
+    its weight sync reads whole parameters."""
+
+    what = "vLLM generation"
+    flags = ("use_vllm",)
+
+    def supports(self, launch) -> str | None:
+        return launch.unsharded(self.what)
+
+    def check(self, plan) -> None:
+        import torch
+
+        from trl_ext.models.arch import model_config
+        from trl_ext.vllm.args import check_model
+
+        config = model_config(plan.run.model, plan.cfg.trust_remote_code)
+        check_model(config, cuda=torch.cuda.is_available())
+
+
+GENERATION_SOURCES.add("vllm", VLLM())

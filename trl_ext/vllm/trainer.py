@@ -1,0 +1,104 @@
+"""Trainer plumbing of vLLM generation (`VLLMMixin`): the engine behind TRL's ``--use_vllm``.
+
+- ``--max_async_level 0``: TRL's own colocate engine (in the policy's dtype: `policy_dtype`) and generation path,
+  with the project's weight sync
+  (`sync_colocate`): the policy's merged weights (``trl_ext.vllm.weights``: PEFT LoRA and dual LoRA at their current
+  scales), loaded in place on CUDA (TRL's way) and through vLLM's ``reload_weights`` on CPU, where vLLM prepacks the
+  linear weights and in-place loading fails.
+- ``--max_async_level >= 1``: TRL builds no engine (it is given the arguments with ``use_vllm`` off, so it neither
+  starts one nor recomputes old log-probs); the off-policy generator samples with its own `VLLMEngine`
+  (`rollout_sampler`), loading each published policy (``trl_ext.vllm.engine``).
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from trl_ext.vllm.engine import VLLMEngine, VLLMSampler, cpu_settings, shared_llm
+from trl_ext.vllm.weights import base_of, merged_state_dict
+
+
+def policy_dtype(model) -> str:
+    """The dtype a vLLM engine runs ``model`` in: the policy's own. vLLM's "auto" would downcast a float32 model to
+    bfloat16 (``vllm.config.model._resolve_auto_dtype``), a log-prob gap of ~6e-3 per token on the builtin model."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+@contextmanager
+def _engine_dtype(trainer):
+    """While TRL builds its colocate engine: ``vllm.LLM`` called with the policy's dtype (`policy_dtype`; TRL passes
+    none), shared with the process's later trainers (`trl_ext.vllm.engine.shared_llm`)."""
+    from trl.generation import vllm_generation
+
+    llm = vllm_generation.LLM
+
+    def build(**kwargs):
+        kwargs.setdefault("dtype", policy_dtype(trainer.model))
+        trainer.vllm_dtype = kwargs["dtype"]
+        return shared_llm(llm, **kwargs)
+
+    vllm_generation.LLM = build
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = llm
+
+
+@torch.no_grad()
+def sync_colocate(generation, model) -> None:
+    """Load ``model``'s merged weights into TRL's colocate engine (``generation``: TRL's VLLMGeneration)."""
+    state = merged_state_dict(model)
+    runner = generation.llm.llm_engine.model_executor.driver_worker.model_runner
+    if next(iter(state.values())).device.type == "cuda":
+        runner.model.load_weights(list(state.items()))  # in place, as TRL's own sync
+    else:
+        runner.reload_weights(weights_iterator=list(state.items()), is_checkpoint_format=True)
+    generation.llm.reset_prefix_cache()
+
+
+class VLLMMixin:
+    """Routes ``--use_vllm`` to TRL's colocate engine (k = 0) or to the off-policy generator's engine (k >= 1)."""
+
+    vllm_offpolicy = False  # k >= 1 with --use_vllm: the generator's engine samples (also without __init__)
+
+    def __init__(self, *args, **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        use_vllm = bool(getattr(config, "use_vllm", False))
+        if use_vllm:
+            self.vllm_settings = cpu_settings() if not torch.cuda.is_available() else {}
+        if use_vllm and getattr(config, "max_async_level", 0) >= 1:
+            self.vllm_offpolicy = True
+            config = copy.copy(config)
+            config.use_vllm = False  # TRL starts no engine of its own; the generator's is `rollout_sampler`'s
+            if "args" in kwargs:
+                kwargs["args"] = config
+            else:
+                args = (*args[:2], config, *args[3:])
+        with _engine_dtype(self) if use_vllm and not self.vllm_offpolicy else nullcontext():
+            super().__init__(*args, **kwargs)
+        if use_vllm:
+            where = ("the off-policy generator's engine" if self.vllm_offpolicy
+                     else f"TRL's {self.args.vllm_mode} engine ({getattr(self, 'vllm_dtype', 'the server dtype')})")
+            print(f"vLLM generation: {where}; {self.vllm_settings or 'CUDA'}", flush=True)
+        if self.use_vllm and self.args.vllm_mode == "colocate":
+            generation, trainer = self.vllm_generation, self
+            generation.sync_weights = lambda: sync_colocate(generation, trainer.accelerator.unwrap_model(trainer.model))
+
+    def rollout_sampler(self, model):
+        """The off-policy generator's sampler over its policy copy ``model``: a `VLLMSampler` with ``--use_vllm``,
+        else None (the ``--generation_backend`` sampler)."""
+        if not self.vllm_offpolicy:
+            return None
+        args = self.args
+        base = base_of(model)
+        max_len = args.vllm_max_model_length or getattr(base.config, "max_position_embeddings", None)
+        engine = VLLMEngine(
+            base.name_or_path, dtype=policy_dtype(base), max_model_len=max_len,
+            seed=args.seed + self.accelerator.process_index, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            trust_remote_code=args.trust_remote_code,
+        )  # fmt: skip
+        inflight = None if args.strict_async_level else args.vllm_inflight_tokens
+        return VLLMSampler(model, engine, inflight)
