@@ -21,7 +21,8 @@ TWO = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
 ONE_PROCESS_ONLY = {"rebuild_builtin", "continuous_batching"}
 UNSHARDED = {"routing", "distill", "offpolicy", "env", "sft", "fast", "saved_rollouts", "eval_loop", "vllm",
              "continuous_batching"}  # fmt: skip
-FSDP2_TOO = {"saved_rollouts", "eval_loop"}  # unsharded parts that run under FSDP2 (not DeepSpeed): test_procs_runs
+FSDP2_TOO = {"saved_rollouts", "eval_loop", "routing", "distill", "offpolicy", "env", "fast"}  # unsharded parts that
+# run under FSDP2 (not DeepSpeed; fast: at k >= 1 only, its check_args): test_procs_runs.py, test_fsdp_features.py
 
 
 def _parse(*argv: str):
@@ -164,9 +165,11 @@ def test_processes_and_sharding_refusals_name_the_flag():
     _, cfg = _parse("--reward", "happy_binary", "--gradient_routing", "--routing_mode", "shared", "--lora_config",
                     "r4", "--save_rollouts")  # fmt: skip
     check_cfg_processes(cfg, TWO)  # allowed on several processes
+    check_cfg_sharding(cfg, {**TWO, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+                             "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"})  # and under FSDP2  # fmt: skip
     with pytest.raises(ConfigError, match=r"^--gradient_routing: gradient routing / dual LoRA has not been run under "
-                                          r"FSDP \(it reads or copies whole parameters"):
-        check_cfg_sharding(cfg, {"ACCELERATE_USE_FSDP": "true"})
+                                          r"DeepSpeed \(it reads or copies whole parameters"):
+        check_cfg_sharding(cfg, {"ACCELERATE_USE_DEEPSPEED": "true"})
 
 
 def test_launch_imports_no_feature():

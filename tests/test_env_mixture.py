@@ -167,6 +167,31 @@ def test_one_batch_plays_each_row_in_its_environment_with_its_turn_limit(tok):
     assert [len(t.turns) for t in capped["trajectories"]] == [2, 1, 2, 2]  # --max_turns caps every environment
 
 
+def test_lockstep_keeps_calling_generation_while_another_process_plays(tok):
+    """FSDP2 (`play_episodes(lockstep=...)`): a process whose episodes ended (arithmetic: one turn) keeps making idle
+    generation calls, on one context, while another process still plays (here: for 3 more turns), then stops when
+    none plays; its episodes are as without lockstep, the idle samples discarded."""
+    args = EnvArgs(env="arithmetic")
+    envs, seeds = [args.build_env() for _ in range(2)], [1, 2]
+    prompts = [e.reset(s) + SEPARATOR + e.prefill for e, s in zip(envs, seeds, strict=True)]
+    answer = tok("< answer > jump < / answer >", add_special_tokens=False)["input_ids"]
+    calls, asked = [], []
+
+    def sample(contexts):
+        calls.append(len(contexts))
+        return [list(answer) for _ in contexts], None, None
+
+    def lockstep(local: bool) -> bool:  # the other process plays 4 turns
+        asked.append(local)
+        return local or len(asked) < 4
+
+    out = play_episodes(prompts, seeds, args, tok, sample, lockstep=lockstep)
+    alone = play_episodes(prompts, seeds, args, tok, sample)
+    assert calls[:4] == [2, 1, 1, 1] and asked == [False] * 4  # one real turn, three idle calls
+    assert out["completion_ids"] == alone["completion_ids"] and out["env_return"] == alone["env_return"]
+    assert [len(t.turns) for t in out["trajectories"]] == [1, 1]
+
+
 def test_each_row_keeps_its_environments_prefill(tok):
     """``sokoban.strict=true``: sokoban's prompts and replies end without the ``<think>`` prefill, frozenlake's with."""
     args = EnvArgs(env="frozenlake,sokoban", env_params="sokoban.strict=true")

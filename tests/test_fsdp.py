@@ -100,8 +100,12 @@ def test_run_name_of_an_fsdp_run():
     with planned_processes(2):
         names = {build_plan([*base, *flags]).run_dir.name for flags in (["--fsdp"], ["--fsdp", "full_shard auto_wrap"])}
         assert names == {"happy_binary_builtin_lr1e-5_b0.02_bs32_ng16_full_st2_s42_procs2_fsdp2"}
-        with pytest.raises(ConfigError, match="--max_async_level 1: off-policy training has not been run under FSDP"):
-            build_plan([*base, "--fsdp", "--max_async_level", "1"])
+        with pytest.raises(ConfigError, match=r"--generation_backend fast: the fast generation backend has not been "
+                                              r"run under FSDP \(at k = 0 it samples from the policy"):
+            build_plan([*base, "--fsdp", "--generation_backend", "fast"])
+        build_plan([*base, "--fsdp", "--generation_backend", "fast", "--max_async_level", "1"])  # the generator's copy
+        with pytest.raises(ConfigError, match=r"--mode sft: SFT mode has not been run under FSDP \(after training"):
+            build_plan(["--mode", "sft", "--env", "arithmetic", "--model", "builtin_env", "--fsdp"])
     assert sharding_tag(Cfg(fsdp=True), {}) == "_fsdp2" and sharding_tag(Cfg(), {}) == ""
 
 

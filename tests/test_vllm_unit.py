@@ -86,7 +86,10 @@ class ScriptedEngine:
     token: the version whose weights were loaded last."""
 
     def __init__(self, lengths):
-        self.lengths, self.loaded, self.calls = lengths, [], []
+        self.lengths, self.loaded, self.calls, self.closed = lengths, [], [], False
+
+    def close(self):
+        self.closed = True
 
     def load(self, model):
         self.loaded.append(model.version)
@@ -123,6 +126,9 @@ def test_inflight_chunks_stamp_each_token_with_the_loading_version():
     assert out.logprobs[2] == [-0.1, -0.1, -0.2, -0.2, -0.3, -0.3]
     assert engine.loaded == [0, 1, 2]  # loaded on a version change only
     assert engine.calls == [[1, 1, 1], [3, 3], [5, 5]]  # a finished row leaves; prefixes grow
+    sampler = VLLMSampler(model, engine, inflight_tokens=2)
+    sampler.close()  # what the off-policy trainer calls when its generator stops: the engine drops its checkpoint
+    assert engine.closed
 
 
 def test_strict_sampler_decodes_in_one_call():

@@ -7,15 +7,17 @@ from trl_ext.parts import FEATURES, Feature
 
 
 class Distill(Feature):
-    """Teacher context distillation and ``--eval_baseline``. Not under FSDP / DeepSpeed: the teacher scores with the
-    policy's adapters disabled, on whole parameters."""
+    """Teacher context distillation and ``--eval_baseline``. Under FSDP2: the teacher is the sharded policy with its
+    adapters disabled (every process scores its rows, FSDP2 gathers each layer), or ``--teacher_model``, an unsharded
+    frozen copy on every process; ``--eval_baseline`` samples before the Trainer shards the policy. Not under
+    DeepSpeed: not run there."""
 
     what = "distillation"
     flags = DistillArgs
     check_stage = 1  # the teacher is checked once the adapters and the generation are
 
     def supports(self, launch) -> str | None:
-        return launch.unsharded(self.what)
+        return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
     def check(self, plan) -> None:
         from trl_ext.distill.args import check_run_distill

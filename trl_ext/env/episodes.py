@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,13 +136,18 @@ two None when the sampler records none (TRL's own generation)."""
 
 
 def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSampler, names: list[str] | None = None,
-                  ) -> dict:  # fmt: skip
+                  lockstep: Callable[[bool], bool] | None = None) -> dict:  # fmt: skip
     """One episode per prompt on the levels ``seeds`` of the environments ``names`` (a mixture's rows name theirs;
     None: ``args.build_env()``, one environment): the multi-turn loop shared by the synchronous path (TRL's
     generation, ``env_rollout``) and the asynchronous generator (``offpolicy``), which passes a sampler that records
     behaviour log-probs and policy versions. Environment tokens get log-prob 0, the version of the turn before them
     and ``env_mask`` 0 (never trained on, never in a ratio or an IS mask). Each episode ends at its environment's turn
     limit (``args.env_turns``; ``args.turns`` without names), single- and multi-turn environments in one batch.
+
+    ``lockstep`` (several FSDP2 processes, where each generation is a collective): called after every turn with
+    whether this process still plays, it answers whether any process does; a process whose episodes all ended then
+    makes idle generation calls (on its first prompt, discarded) until none plays, so that every process makes the
+    same calls.
 
     Returns ``prompt_ids``, ``completion_ids``, ``env_mask``, ``env_return``, ``logprobs`` and ``versions`` (None
     without a recording sampler) and ``trajectories``."""
@@ -159,8 +165,10 @@ def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSamp
     recorded = None
     closed = [False] * n
     active = list(range(n))
-    for turn in range(max(limits)):
-        generated, lps, vers = generate([prompt_ids[i] + completion[i] for i in active])
+    for turn in itertools.count():  # until no episode plays: each ends at its turn limit
+        generated, lps, vers = generate([prompt_ids[i] + completion[i] for i in active] or [prompt_ids[0]])
+        if not active:  # lockstep: an idle call while another process plays (docstring)
+            generated = []
         recorded = lps is not None if recorded is None else recorded
         for j, (i, ids) in enumerate(zip(active, generated, strict=True)):
             ids, closed[i] = cut_after_answer(list(ids), tok)
@@ -190,7 +198,7 @@ def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSamp
                 logprobs[i] += [0.0] * len(env_ids)
                 versions[i] += [versions[i][-1] if versions[i] else 0] * len(env_ids)
         active = [i for i in active if not trajs[i].done and turn + 1 < limits[i]]
-        if not active:
+        if not (active if lockstep is None else lockstep(bool(active))):
             break
     eos = tok.eos_token_id
     for i in range(n):

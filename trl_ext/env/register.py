@@ -10,18 +10,25 @@ from trl_ext.sft import SFTArgs
 
 class Env(Feature):
     """The environments' flags (levels, turns, advantage estimators, ``--no_think_rl``), read by the trainer's episode
-    loop and estimators. Not under FSDP / DeepSpeed: not run there yet."""
+    loop and estimators. Under FSDP2 the synchronous episode loop plays in lockstep over the processes (TRL generates
+    from the sharded model, each forward a collective: `trl_ext.env.trainer`); the off-policy generator plays on its
+    plain copy. Not under DeepSpeed: not run there."""
 
     what = "environments"
     flags = EnvArgs
 
     def supports(self, launch) -> str | None:
-        return launch.unsharded(self.what)
+        return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
+
+
+SFT_FSDP_REASON = ("after training the main process alone merges the LoRA, saves the model and validates it by "
+                   "rollouts, which a sharded model cannot do alone: each of its forwards is a collective of every "
+                   "process")
 
 
 class Sft(Feature):
     """``--mode sft``: TRL's SFTTrainer on an environment's BFS trajectories (`trl_ext.sft.run_sft`) instead of GRPO.
-    Not under FSDP / DeepSpeed: not run there yet."""
+    Not under FSDP / DeepSpeed (`SFT_FSDP_REASON`)."""
 
     what = "SFT mode"
     flags = SFTArgs
@@ -30,7 +37,7 @@ class Sft(Feature):
         return cfg.mode == "sft"
 
     def supports(self, launch) -> str | None:
-        return launch.unsharded(self.what)
+        return launch.unsharded(self.what, SFT_FSDP_REASON if launch.sharding == "FSDP" else None)
 
     def run(self, plan) -> int | None:
         from trl_ext.sft import run_sft

@@ -18,11 +18,27 @@ def env_rollout(prompts: list, trainer) -> dict:
         ids, logprobs = trainer._generate_single_turn(contexts, None, {}, 1)[:2]
         return ids, logprobs, None if logprobs is None else [[0] * len(row) for row in ids]
 
-    out = play_episodes(prompts, seeds, trainer.args, trainer.processing_class, generate, row_envs(rows))
+    out = play_episodes(prompts, seeds, trainer.args, trainer.processing_class, generate, row_envs(rows),
+                        lockstep=_lockstep(trainer))
     trainer._env_trajectories = out.pop("trajectories")  # for an environment RH detector (RoutingMixin._detect)
     log_episodes(trainer, trainer._env_trajectories, *log_words(trainer.args))
     out.pop("versions")
     return out
+
+
+def _lockstep(trainer):
+    """Under FSDP2 on several processes TRL generates from the sharded model, each forward a collective: the episode
+    loop plays in lockstep (`episodes.play_episodes`), each turn asking whether any process still plays. None
+    elsewhere (each process generates alone)."""
+    if not (getattr(trainer, "is_fsdp_enabled", False) and trainer.accelerator.num_processes > 1):
+        return None
+    import torch
+
+    def any_active(local: bool) -> bool:
+        flag = torch.tensor([int(local)], device=trainer.accelerator.device)
+        return bool(trainer.accelerator.reduce(flag, reduction="sum").item() > 0)
+
+    return any_active
 
 
 class EnvMixin:

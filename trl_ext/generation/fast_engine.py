@@ -20,9 +20,15 @@ def check_generation_backend(run, cfg) -> None:
         raise ConfigError(f"--generation_backend fast: {reason}")
 
 
+FSDP_REASON = ("at k = 0 it samples from the policy, reading each projection's whole weight outside the model's "
+               "forward, where FSDP2 holds shards: use --generation_backend trl (TRL generates from the sharded "
+               "model), or --max_async_level >= 1 (the fast sampler then samples from the off-policy generator's "
+               "copy, gathered whole from the shards)")
+
+
 class Fast(GenerationSource):
-    """The fast sampler, synchronous or in the off-policy generator. Not under FSDP / DeepSpeed: it reads every
-    projection's full weight."""
+    """The fast sampler, synchronous or in the off-policy generator. Under FSDP2 only in the off-policy generator,
+    whose copy is gathered whole from the shards (`FSDP_REASON`); not under DeepSpeed."""
 
     what = "the fast generation backend"
     flags = ("generation_backend",)
@@ -31,7 +37,13 @@ class Fast(GenerationSource):
         return cfg.generation_backend == "fast"
 
     def supports(self, launch) -> str | None:
-        return launch.unsharded(self.what)
+        return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
+
+    def check_args(self, run, cfg) -> None:
+        from trl_ext.launch.sharding import sharded_training
+
+        if sharded_training(cfg) == "FSDP" and cfg.max_async_level < 1:
+            raise ConfigError(f"--generation_backend fast: {self.what} has not been run under FSDP ({FSDP_REASON})")
 
     def check(self, plan) -> None:
         check_generation_backend(plan.run, plan.cfg)

@@ -29,14 +29,14 @@ class Launch:
         return (f"{what} {ONE_PROCESS}; this launch has {n} processes ({var}={n}). Start train.py once, without "
                 "torchrun/accelerate launch, or drop the flag")
 
-    def unsharded(self, what: str) -> str | None:
-        """The refusal of ``what`` (a part not run under sharding: it reads or copies whole parameters) under FSDP or
-        DeepSpeed; None unsharded."""
+    def unsharded(self, what: str, why: str | None = None) -> str | None:
+        """The refusal of ``what`` (a part not run under sharding: it reads or copies whole parameters, or ``why``)
+        under FSDP or DeepSpeed; None unsharded."""
         kind = self.sharding
         if kind is None:
             return None
-        return (f"{what} has not been run under {kind} (it reads or copies whole parameters, which {kind} may shard); "
-                f"run it without {kind} (DDP or one process)")
+        why = why or f"it reads or copies whole parameters, which {kind} may shard"
+        return f"{what} has not been run under {kind} ({why}); run it without {kind} (DDP or one process)"
 
 
 def shown(flag: str, value) -> str:

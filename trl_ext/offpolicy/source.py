@@ -32,7 +32,8 @@ def check_offpolicy_dropout(run, cfg) -> None:
 
 
 class OffPolicyGenerator(GenerationSource):
-    """The generator thread of ``--max_async_level >= 1``. Not under FSDP / DeepSpeed: it deep-copies the model."""
+    """The generator thread of ``--max_async_level >= 1``. Under FSDP2 its plain copy is made before the Trainer
+    shards the policy and loaded with the gathered whole weights (`trl_ext.offpolicy.sharded`); not under DeepSpeed."""
 
     what = "the off-policy generator"
     flags = ("max_async_level",)
@@ -41,7 +42,7 @@ class OffPolicyGenerator(GenerationSource):
         return cfg.max_async_level >= 1
 
     def supports(self, launch) -> str | None:
-        return launch.unsharded(self.what)
+        return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
     def check(self, plan) -> None:
         check_offpolicy_dropout(plan.run, plan.cfg)

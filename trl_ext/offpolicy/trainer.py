@@ -68,6 +68,14 @@ class OffPolicyMixin:
         if not hasattr(self.train_dataset, "__getitem__"):
             raise ConfigError("--max_async_level >= 1 needs an indexable (map-style) train dataset")
         self.add_callback(_PublishWeights(self))
+        self._generation_template = None  # FSDP2: the generator's plain copy, made before the Trainer shards the model
+        if self.is_fsdp_enabled and not self.vllm_offpolicy:
+            from trl_ext.offpolicy.sharded import is_sharded
+
+            model = self.accelerator.unwrap_model(self.model)
+            if is_sharded(model):
+                raise RuntimeError("the policy is sharded already: the generator's plain copy cannot be made")
+            self._generation_template = generation_copy(model)
         if self.vllm_offpolicy:
             print("off-policy generator: a vLLM engine (--use_vllm; trl_ext.vllm.engine)", flush=True)
         else:
@@ -84,7 +92,14 @@ class OffPolicyMixin:
     def _start_rollouts(self) -> None:
         args, start = self.args, self.state.global_step
         model = self.accelerator.unwrap_model(self.model)
-        gen_model = generation_copy(model)
+        gathered = self._generation_template is not None
+        if gathered:  # FSDP2: the plain copy, loaded with the gathered whole weights
+            from trl_ext.offpolicy.sharded import full_parameters, load_full
+
+            gen_model, self._generation_template = self._generation_template, None
+            load_full(gen_model, full_parameters(model, trainable_only=False))  # a collective, on every process
+        else:
+            gen_model = generation_copy(model)
         sampler = self.rollout_sampler(gen_model)  # an engine's (--use_vllm), else --generation_backend's
         store = PolicyStore()
         store.publish(start, model)
@@ -110,7 +125,8 @@ class OffPolicyMixin:
         self._rollout_worker.start()
         mode = "strict" if args.strict_async_level else "non-strict (in-flight updates)"
         print(f"off-policy: generator thread started at policy version {start}, max_async_level "
-              f"{args.max_async_level}, {mode}, generator threads {gen_threads}", flush=True)  # fmt: skip
+              f"{args.max_async_level}, {mode}, generator threads {gen_threads}"
+              f"{', its copy gathered from the FSDP2 shards' if gathered else ''}", flush=True)  # fmt: skip
 
     def _episode_fn(self):
         """``--env``: the generator thread plays each batch's episodes (``env.episodes.play_episodes``) with its own

@@ -83,8 +83,14 @@ def batch_seed(seed: int, index: int, rank: int = 0) -> int:
 
 
 def trainable_snapshot(model: nn.Module) -> dict[str, Tensor]:
-    """Detached copies of the parameters the optimizer changes (all of them for a full fine-tune, adapters for LoRA)."""
-    snapshot = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    """Detached copies of the parameters the optimizer changes (all of them for a full fine-tune, adapters for LoRA);
+    whole tensors gathered from the shards of an FSDP2 model (a collective, `trl_ext.offpolicy.sharded`)."""
+    from trl_ext.offpolicy.sharded import full_parameters, is_sharded
+
+    if is_sharded(model):
+        snapshot = full_parameters(model, trainable_only=True)
+    else:
+        snapshot = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     if torch.cuda.is_available() and any(t.is_cuda for t in snapshot.values()):
         torch.cuda.current_stream().synchronize()  # the generator reads them on its own stream
     return snapshot

@@ -57,10 +57,17 @@ def base_fingerprint(model: nn.Module) -> list[float]:
     return [s, q]
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter weights of a dual adapter model, by state-dict key (what an adapter-only checkpoint holds)."""
-    return {f"{name}.{local}": p.detach().cpu().contiguous() for name, m in model.named_modules()
-            if isinstance(m, DualAdapter) for local, p in m.adapter_named_parameters()}
+def adapter_state(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter weights of a dual adapter model, by state-dict key (what an adapter-only checkpoint holds): read
+    from ``model``, or taken from ``state_dict``, a full state dict of it (under FSDP2 the Trainer gathers one from
+    the shards; the model's own parameters are shards then)."""
+    keys = [f"{name}.{local}" for name, m in model.named_modules() if isinstance(m, DualAdapter)
+            for local, _ in m.adapter_named_parameters()]  # fmt: skip
+    if state_dict is None:
+        state_dict = {k: p for k, p in model.named_parameters(remove_duplicate=False)}
+    if missing := [k for k in keys if k not in state_dict]:
+        raise KeyError(f"the state dict has no adapter weights {missing[:3]}")
+    return {k: state_dict[k].detach().cpu().contiguous() for k in keys}
 
 
 def load_dual_lora_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -8,8 +8,9 @@ from trl_ext.routing.args import RoutingArgs
 
 class Routing(Feature):
     """The RH detector (checked and monitored in every run, routed or not) and, with a dual adapter config, the dual
-    LoRA / MLP adapters and gradient routing. Not under FSDP / DeepSpeed: routing masks per-sample adapter gradients
-    in its own autograd function, which reads whole parameters."""
+    LoRA / MLP adapters and gradient routing. Under FSDP2 (`trl_ext.routing.distributed`: each backward reduce-scatters
+    into the shards, a routed-away side's shard restored; the routing eval generates from the sharded model as TRL
+    does; adapter-only checkpoints filter the gathered full state dict). Not under DeepSpeed: not run there."""
 
     what = "gradient routing / dual LoRA"
     flags = RoutingArgs
@@ -18,7 +19,7 @@ class Routing(Feature):
         return True
 
     def supports(self, launch) -> str | None:
-        return launch.unsharded(self.what)
+        return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
     def check(self, plan) -> None:
         from trl_ext.routing.args import check_run_routing

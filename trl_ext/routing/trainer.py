@@ -16,8 +16,8 @@ One generation and step:
    baseline arm replaces the base advantages; then the trace fires (`routing_trace_stage`).
 3. backward (`training_step`, routed runs): ``_prepare_inputs`` once, one routed backward (single pass by default,
    or the two-pass reference), then GRPOTrainer.training_step's own bookkeeping (``_step`` += 1, ``step_time``).
-   On several processes the routed backward runs locally and the gradients are averaged by hand
-   (`_routed_backward_ddp`).
+   On several processes: ``routing.distributed`` (DDP: computed locally, the gradients averaged by hand; FSDP2:
+   each backward reduce-scatters into the shards, a routed-away side's shard restored).
 4. Every ``--eval_routing_steps``, at the last step (and with ``--eval_at_start`` before the first): the routing
    eval, printed to train.log, added to the metrics (wandb), appended to ``routing_eval.jsonl`` and plotted.
 
@@ -159,8 +159,8 @@ class RoutingMixin:
             cfg.beta = beta
         if ref_by_disabling:
             self.beta, self.ref_model = beta, AdaptersDisabledReference(self.model)
-        if cfg.gradient_routing and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            raise ValueError("gradient routing supports neither DeepSpeed nor FSDP")
+        if cfg.gradient_routing and self.is_deepspeed_enabled:
+            raise ValueError("gradient routing does not support DeepSpeed")
         self.rh_detector_name, self.rh_detector = rh_detector if rh_detector is not None else (None, None)
         self.base_reward = None if base_reward is None else base_reward[1]
         self._routing_scored = None  # what _calculate_rewards found, for this generation's batch
@@ -320,34 +320,15 @@ class RoutingMixin:
             step = two_pass_backward if self.args.routing_two_pass else single_pass_backward
             loss = step(loss_fn, inputs, is_bad, model, mode, backward)
         else:
-            loss = self._routed_backward_ddp(loss_fn, inputs, is_bad, model)
+            from trl_ext.routing.distributed import routed_backward
+
+            loss = routed_backward(self, loss_fn, inputs, is_bad, model)
         # GRPOTrainer.training_step's bookkeeping, once per step (calling it twice would advance _step twice).
         self._step += 1
         self._current_train_step_time += time.perf_counter() - time_before
         if self._step % self.current_gradient_accumulation_steps == 0:
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
             self._current_train_step_time = 0.0
-        return loss
-
-    def _routed_backward_ddp(self, loss_fn, inputs: dict, is_bad: torch.Tensor, model) -> torch.Tensor:
-        """The routed backward on several processes: computed locally (DDP's own all-reduce cannot sync two backward
-        passes, nor restore a routed-away side's gradient after its reduce), then the gradients averaged as DDP
-        would, once, on the micro-batch where DDP would sync (``require_backward_grad_sync``). The two-pass step runs
-        the sides that have samples on any process, each pass on all rows (``keep_rows``), so that every process
-        makes the same loss calls on the same shapes (TRL's loss gathers metrics)."""
-        from trl_ext.launch.processes import average_gradients
-
-        sync = getattr(model, "require_backward_grad_sync", True)
-        mode, backward = self.args.routing_mode, self.accelerator.backward
-        with self.accelerator.no_sync(model):
-            if self.args.routing_two_pass:
-                counts = torch.stack([(~is_bad).sum(), is_bad.sum()]).to(self.accelerator.device)
-                good, bad = (self.accelerator.reduce(counts, reduction="sum") > 0).tolist()
-                loss = two_pass_backward(loss_fn, inputs, is_bad, model, mode, backward, (good, bad), keep_rows=True)
-            else:
-                loss = single_pass_backward(loss_fn, inputs, is_bad, model, mode, backward)
-        if sync:
-            average_gradients([p for p in model.parameters() if p.requires_grad])
         return loss
 
     def run_routing_eval(self) -> dict[str, dict[str, float]]:
@@ -412,7 +393,7 @@ class RoutingMixin:
 
             Path(out).mkdir(parents=True, exist_ok=True)
             model = self.accelerator.unwrap_model(self.model)
-            save_file(adapter_state(model), str(Path(out) / ADAPTER_FILENAME))
+            save_file(adapter_state(model, state_dict), str(Path(out) / ADAPTER_FILENAME))  # FSDP2: the gathered dict
             model.generation_config.save_pretrained(out)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(out)

@@ -20,6 +20,7 @@ sampled it, so its behaviour log-prob is exactly that policy's, given its prefix
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -43,19 +44,22 @@ def cpu_settings(environ=os.environ) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": environ["VLLM_CPU_KVCACHE_SPACE"]}
 
 
-def weights_dir() -> str:
-    """A fresh directory for one published checkpoint (``/dev/shm`` when it exists: memory, not disk)."""
-    return tempfile.mkdtemp(prefix="trl_ext_vllm_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+def weights_dir(nbytes: int) -> str:
+    """A fresh directory for one published checkpoint of ``nbytes``: in ``/dev/shm`` (memory, not disk) when it has
+    room for two (a container's /dev/shm is often 64 MiB), else in the temporary directory."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * nbytes else None
+    return tempfile.mkdtemp(prefix="trl_ext_vllm_", dir=shm)
 
 
-def write_checkpoint(model: nn.Module, directory: str) -> str:
-    """``model``'s merged weights (``trl_ext.vllm.weights``) as ``directory/model.safetensors``."""
+def write_checkpoint(model: nn.Module) -> str:
+    """``model``'s merged weights (``trl_ext.vllm.weights``) as ``model.safetensors`` in a fresh `weights_dir`;
+    returns the directory."""
     from safetensors.torch import save_file
 
     state = {k: v.cpu() for k, v in merged_state_dict(model).items()}
-    path = os.path.join(directory, "model.safetensors")
-    save_file(state, path)
-    return path
+    directory = weights_dir(sum(t.numel() * t.element_size() for t in state.values()))
+    save_file(state, os.path.join(directory, "model.safetensors"))
+    return directory
 
 
 _ENGINES: dict[tuple, object] = {}
@@ -83,21 +87,19 @@ class VLLMEngine:
         self.llm = shared_llm(LLM, model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
                               enforce_eager=enforce_eager, logprobs_mode="processed_logprobs")  # fmt: skip
-        self.loads = 0
         self._dir: str | None = None
+        atexit.register(self.close)  # the last checkpoint file goes with the process, also on an exception
 
     def load(self, model: nn.Module) -> None:
         """Load ``model``'s current weights (adapters merged) into every engine worker."""
-        directory = weights_dir()
+        directory = write_checkpoint(model)
         try:
-            write_checkpoint(model, directory)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": directory, "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
         finally:
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = directory
-        self.loads += 1
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, max_tokens: list[int],
                  seeds: list[int | None]) -> list[tuple[list[int], list[float]]]:  # fmt: skip
@@ -149,6 +151,10 @@ class VLLMSampler:
             raise ValueError(f"inflight_tokens must be >= 1, got {inflight_tokens}")
         self.model, self.engine, self.inflight_tokens = model, engine, inflight_tokens
         self.engine_version: int | None = None
+
+    def close(self) -> None:
+        """The engine's `VLLMEngine.close` (the worker's owner calls it when the generator stops)."""
+        self.engine.close()
 
     def _sync(self, version: int) -> None:
         if version != self.engine_version:

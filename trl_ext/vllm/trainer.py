@@ -82,7 +82,9 @@ class VLLMMixin:
         if use_vllm:
             where = ("the off-policy generator's engine" if self.vllm_offpolicy
                      else f"TRL's {self.args.vllm_mode} engine ({getattr(self, 'vllm_dtype', 'the server dtype')})")
-            print(f"vLLM generation: {where}; {self.vllm_settings or 'CUDA'}", flush=True)
+            from vllm import __version__
+
+            print(f"vLLM generation: {where}; vllm {__version__}; {self.vllm_settings or 'CUDA'}", flush=True)
         if self.use_vllm and self.args.vllm_mode == "colocate":
             generation, trainer = self.vllm_generation, self
             generation.sync_weights = lambda: sync_colocate(generation, trainer.accelerator.unwrap_model(trainer.model))
