@@ -53,7 +53,7 @@ def test_sharded_training(env, flags, kind):
     assert sharded_training(Cfg, env) == kind
 
 
-@pytest.mark.parametrize("var,kind", [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")])
+@pytest.mark.parametrize("var,kind", [("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")])  # FSDP2 runs them: test_fsdp*.py
 @pytest.mark.parametrize("flags,feature", [
     (["--max_async_level", "1"], "off-policy training"),
     (["--generation_backend", "fast"], "the fast generation backend"),

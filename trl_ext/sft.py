@@ -15,10 +15,15 @@
    ``run_summary.json``.
 4. SIGTERM (a scheduler's preemption): a complete checkpoint of the current step, ``run_summary.json`` status
    "preempted", exit 0, no model saved; ``--resume_from_checkpoint latest`` continues (``trl_ext.runs.preemption``).
+5. FSDP2 (``--fsdp``): the SFTTrainer trains the sharded model on every process. The main process keeps a plain copy
+   of the model made before the Trainer shards it (`plain_copy`, on the CPU); after training every process takes part
+   in gathering the whole parameters from the shards (`gather_into`, a collective), which the main process loads into
+   its copy, and it merges, saves and validates that copy as it does the trained model without FSDP.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass, field
@@ -116,21 +121,61 @@ def validate(
     }
 
 
+def sft_trainer_class():
+    """TRL's SFTTrainer with atomic checkpoints, loud numeric faults and FSDP2 on CPU processes
+    (`trl_ext.runs.mixin`)."""
+    from trl import SFTTrainer
+
+    from trl_ext.runs.mixin import CheckpointMixin
+
+    class CheckpointedSFTTrainer(CheckpointMixin, SFTTrainer):
+        pass
+
+    return CheckpointedSFTTrainer
+
+
+def plain_copy(trainer, main_process: bool):
+    """Under FSDP2, on the main process: a plain CPU copy of the trainer's model (PEFT-wrapped as it trains), made
+    before the Trainer shards it in place (a sharded model cannot be copied into a plain one); None elsewhere."""
+    from trl_ext.offpolicy.sharded import is_sharded
+    from trl_ext.offpolicy.worker import generation_copy
+
+    if not trainer.is_fsdp_enabled or not main_process:
+        return None
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if is_sharded(model):
+        raise RuntimeError("the model is sharded already: SFT mode's plain copy cannot be made")
+    return generation_copy(model).to("cpu")
+
+
+def gather_into(trainer, plain) -> None:
+    """The trained parameters, gathered whole from the FSDP2 shards (a collective: every process calls it), loaded
+    into the main process's ``plain`` copy (`plain_copy`; None on the other processes, which receive nothing:
+    ``cpu_offload`` hands the whole tensors to process 0 only)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from trl_ext.offpolicy.sharded import load_full
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if plain is not None:
+        names = [n for n, _ in plain.named_parameters()]
+        if missing := [n for n in names if n not in state]:
+            raise RuntimeError(f"the gathered state dict lacks parameters {missing[:3]}")
+        load_full(plain, {n: state[n] for n in names})
+
+
 def run_sft(plan) -> int:
     """SFT mode of train.py: data, SFTTrainer, merged save, validation before/after; returns 0."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig
 
     from trl_ext.launch.processes import barrier
     from trl_ext.models import model_source, load_tokenizer, prepare_tokenizer
-    from trl_ext.runs.mixin import CheckpointMixin
     from trl_ext.runs.preemption import PreemptionCallback, preemption_handler
     from trl_ext.runs.provenance import start_weights
     from trl_ext.runs.rundir import add_launch_header, start_on_main
-
-    class CheckpointedSFTTrainer(CheckpointMixin, SFTTrainer):
-        """TRL's SFTTrainer with atomic checkpoints and loud numeric faults (`trl_ext.runs.mixin`)."""
 
     run, cfg = plan.run, plan.cfg
     tee = start_on_main(plan)  # only the main process writes the run directory, validates and saves the model
@@ -160,26 +205,32 @@ def run_sft(plan) -> int:
         max_length=None, lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps,
         activation_checkpointing=cfg.activation_checkpointing,
         use_cpu=cfg.use_cpu, ddp_backend=cfg.ddp_backend,  # several processes on CPU: gloo (launch.processes)
+        fsdp=cfg.fsdp, fsdp_config=copy.deepcopy(cfg.fsdp_config) if cfg.fsdp else None,  # --fsdp, as GRPO runs read it
     )  # fmt: skip
-    trainer = CheckpointedSFTTrainer(model=model, args=sft_cfg, train_dataset=Dataset.from_list(records),
+    trainer = sft_trainer_class()(model=model, args=sft_cfg, train_dataset=Dataset.from_list(records),
                          processing_class=tokenizer, peft_config=peft_config)  # fmt: skip
     add_launch_header(plan, trainer)  # train.log's launch line, once the model is prepared
+    plain = plain_copy(trainer, main_process)  # FSDP2: the main process's copy to merge, save and validate
     start = time.time()
     with preemption_handler() as flag:  # SIGTERM: a checkpoint at the next step boundary, then exit 0 (as GRPO runs)
         preemption = PreemptionCallback(flag, trainer.accelerator)
         trainer.add_callback(preemption)
         result = trainer.train(resume_from_checkpoint=str(plan.resume) if plan.resume else None)
     steps = trainer.state.global_step
+    preempted = preemption.stopped_at is not None and steps < trainer.state.max_steps  # the same on every process
+    if trainer.is_fsdp_enabled and not preempted:
+        gather_into(trainer, plain)  # every process, then only the main process's copy is used
     if not main_process:
         return 0
-    if preemption.stopped_at is not None and steps < trainer.state.max_steps:
+    if preempted:
         summary = {"mode": "sft", "run_name": cfg.run_name, **preemption.summary(plan.run_dir, steps),
                    "wall_s": round(time.time() - start, 1)}  # fmt: skip
         (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
         print(preemption.notice(steps, trainer.state.max_steps, plan.run_dir), flush=True)
         tee.close()
         return 0
-    model = trainer.model.merge_and_unload() if run.lora_rank else trainer.model
+    model = trainer.model if plain is None else plain.to(trainer.args.device)
+    model = model.merge_and_unload() if run.lora_rank else model
     model_dir = plan.run_dir / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)

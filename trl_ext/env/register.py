@@ -21,14 +21,10 @@ class Env(Feature):
         return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
 
-SFT_FSDP_REASON = ("after training the main process alone merges the LoRA, saves the model and validates it by "
-                   "rollouts, which a sharded model cannot do alone: each of its forwards is a collective of every "
-                   "process")
-
-
 class Sft(Feature):
     """``--mode sft``: TRL's SFTTrainer on an environment's BFS trajectories (`trl_ext.sft.run_sft`) instead of GRPO.
-    Not under FSDP / DeepSpeed (`SFT_FSDP_REASON`)."""
+    Under FSDP2 it trains sharded, and the main process merges, saves and validates a plain copy loaded with the
+    whole parameters gathered from the shards (`trl_ext.sft.gather_into`). Not under DeepSpeed: not run there."""
 
     what = "SFT mode"
     flags = SFTArgs
@@ -37,7 +33,7 @@ class Sft(Feature):
         return cfg.mode == "sft"
 
     def supports(self, launch) -> str | None:
-        return launch.unsharded(self.what, SFT_FSDP_REASON if launch.sharding == "FSDP" else None)
+        return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
     def run(self, plan) -> int | None:
         from trl_ext.sft import run_sft

@@ -2,8 +2,8 @@
 
 **FSDP2 runs the plain paths** (story or dataset rewards, ``--eval_rewards``, k = 0, full fine-tune or PEFT LoRA,
 TRL's generation, saved rollouts, TRL's eval loop, resume) and the features (routing, distillation, off-policy k >= 1,
-environments), on several CPU processes (gloo) too (`trl_ext.launch.fsdp`; each feature's sharded path is its own).
-The parts not run under FSDP2 (SFT mode, the fast backend at k = 0, vLLM) or under any ZeRO stage (every feature)
+environments, SFT mode), on several CPU processes (gloo) too (`trl_ext.launch.fsdp`; each feature's sharded path is its
+own). The parts not run under FSDP2 (the fast backend at k = 0, vLLM) or under any ZeRO stage (every feature)
 refuse it in their ``supports`` / ``check_args`` (`trl_ext.parts`; the common wording:
 `trl_ext.launch.refusals.Launch.unsharded`), an error (exit 2), never a silent wrong sample.
 

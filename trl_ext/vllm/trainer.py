@@ -1,10 +1,9 @@
 """Trainer plumbing of vLLM generation (`VLLMMixin`): the engine behind TRL's ``--use_vllm``.
 
 - ``--max_async_level 0``: TRL's own colocate engine (in the policy's dtype: `policy_dtype`) and generation path,
-  with the project's weight sync
-  (`sync_colocate`): the policy's merged weights (``trl_ext.vllm.weights``: PEFT LoRA and dual LoRA at their current
-  scales), loaded in place on CUDA (TRL's way) and through vLLM's ``reload_weights`` on CPU, where vLLM prepacks the
-  linear weights and in-place loading fails.
+  with the project's weight sync (`sync_colocate`): the policy's merged weights (``trl_ext.vllm.weights``: PEFT LoRA
+  and dual LoRA at their current scales), loaded in place on CUDA (TRL's way) and through vLLM's ``reload_weights``
+  on CPU, where vLLM prepacks the linear weights and in-place loading fails.
 - ``--max_async_level >= 1``: TRL builds no engine (it is given the arguments with ``use_vllm`` off, so it neither
   starts one nor recomputes old log-probs); the off-policy generator samples with its own `VLLMEngine`
   (`rollout_sampler`), loading each published policy (``trl_ext.vllm.engine``).
@@ -23,7 +22,7 @@ from trl_ext.vllm.weights import base_of, merged_state_dict
 
 def policy_dtype(model) -> str:
     """The dtype a vLLM engine runs ``model`` in: the policy's own. vLLM's "auto" would downcast a float32 model to
-    bfloat16 (``vllm.config.model._resolve_auto_dtype``), a log-prob gap of ~6e-3 per token on the builtin model."""
+    bfloat16 (``vllm.config.model._resolve_auto_dtype``), and its log-probs would carry bfloat16 rounding."""
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
