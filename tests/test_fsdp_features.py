@@ -83,8 +83,6 @@ def tiny_models(tmp_path_factory):
 def _equivalence(tmp_path: Path, models, variants: tuple[str, ...]) -> dict[str, tuple[float, float]]:
     """{variant: (largest parameter difference 2 FSDP2 processes vs 1 process, largest parameter move)}, after the
     checks: the step moved the parameters, the 2-process model was sharded."""
-    import torch
-
     one, two = tmp_path / "one", tmp_path / "two"
     args = ["equivalence", None, str(models[0]), str(models[1]), ",".join(variants)]
     single = subprocess.run([sys.executable, __file__, *[str(one) if a is None else a for a in args]],
@@ -92,20 +90,26 @@ def _equivalence(tmp_path: Path, models, variants: tuple[str, ...]) -> dict[str,
     assert single.returncode == 0, single.stderr[-3000:]
     double = torchrun([__file__, *[str(two) if a is None else a for a in args]], timeout=400)
     assert double.returncode == 0, double.stderr[-3000:]
-    found = {}
-    for variant in variants:
-        init, a, b = (torch.load(p / f"{variant}.pt") for p in (one / "init", one, two))
-        assert a.keys() == b.keys() == init.keys() and len(a) > 0
-        moved = max((a[k] - init[k]).abs().max().item() for k in a)
-        worst = max((a[k] - b[k]).abs().max().item() for k in a)
-        found[variant] = (worst, moved)
-        assert moved > MOVED, f"{variant}: the step did not move the parameters ({moved})"
-        assert worst < TOL, f"{variant}: 2 FSDP2 processes differ from 1 process by {worst}"
-        p = json.loads((two / f"{variant}.parallelism.json").read_text())
-        assert p["kind"] == "FSDP2" and p["processes"] == 2 and p["sharded_modules"] >= 2
-        assert p["dtensor_params"] == p["params"] > 0 and p["local_elements"] < 0.51 * p["elements"]
+    found = {variant: compare_step(one, two, variant) for variant in variants}
     print(json.dumps(found))
     return found
+
+
+def compare_step(one: Path, two: Path, variant: str) -> tuple[float, float]:
+    """(largest difference, largest move) of ``variant``'s parameters after one step on 1 process (``one``) and on 2
+    FSDP2 processes (``two``), asserting the bound, the no-op guard and that the 2-process model was sharded."""
+    import torch
+
+    init, a, b = (torch.load(p / f"{variant}.pt") for p in (one / "init", one, two))
+    assert a.keys() == b.keys() == init.keys() and len(a) > 0
+    moved = max((a[k] - init[k]).abs().max().item() for k in a)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert moved > MOVED, f"{variant}: the step did not move the parameters ({moved})"
+    assert worst < TOL, f"{variant}: 2 FSDP2 processes differ from 1 process by {worst}"
+    p = json.loads((two / f"{variant}.parallelism.json").read_text())
+    assert p["kind"] == "FSDP2" and p["processes"] == 2 and p["sharded_modules"] >= 2
+    assert p["dtensor_params"] == p["params"] > 0 and p["local_elements"] < 0.51 * p["elements"]
+    return worst, moved
 
 
 @pytest.mark.slow

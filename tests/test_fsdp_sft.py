@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_fsdp_features import compare_step
 from test_procs import ROOT, torchrun
 
-TOL, MOVED = 1e-5, 1e-2  # as tests/test_fsdp.py
 GLOBAL_BATCH = 8  # 8 arithmetic levels: one record each, so the one step trains every record on 1 and on 2 processes
 VARIANTS = ("full", "lora")
 
@@ -46,8 +46,6 @@ def test_sft_step_on_fsdp2_equals_one_process(tiny_env_model, tmp_path):
     """One SGD step (lr 1.0) of SFT mode's trainer on 8 arithmetic records: 2 FSDP2 processes x 4 == 1 process x 8
     within 1e-5, full fine-tune and LoRA; the step moves the parameters by more than 1e-2 and the 2-process model is
     sharded (every parameter a DTensor, each process holding about half of the elements)."""
-    import torch
-
     one, two = tmp_path / "one", tmp_path / "two"
     single = subprocess.run([sys.executable, __file__, "equivalence", str(one), str(tiny_env_model)],
                             capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
@@ -56,16 +54,7 @@ def test_sft_step_on_fsdp2_equals_one_process(tiny_env_model, tmp_path):
     assert double.returncode == 0, double.stderr[-3000:]
     found = {}
     for variant in VARIANTS:
-        init, a, b = (torch.load(p / f"{variant}.pt") for p in (one / "init", one, two))
-        assert a.keys() == b.keys() == init.keys() and len(a) > 0
-        moved = max((a[k] - init[k]).abs().max().item() for k in a)
-        worst = max((a[k] - b[k]).abs().max().item() for k in a)
-        found[variant] = (worst, moved)
-        assert moved > MOVED, f"{variant}: the step did not move the parameters ({moved})"
-        assert worst < TOL, f"{variant}: 2 FSDP2 processes differ from 1 process by {worst}"
-        p = json.loads((two / f"{variant}.parallelism.json").read_text())
-        assert p["kind"] == "FSDP2" and p["processes"] == 2 and p["sharded_modules"] >= 2
-        assert p["dtensor_params"] == p["params"] > 0 and p["local_elements"] < 0.51 * p["elements"]
+        found[variant] = compare_step(one, two, variant)
         losses = [json.loads((d / f"{variant}.json").read_text())["loss"] for d in (one, two)]
         assert abs(losses[0] - losses[1]) < 1e-4, losses  # the logged loss is over both processes' tokens
     print(json.dumps(found))
