@@ -6,12 +6,11 @@ process through train.py's ``main`` (tests/test_matrix.py's `run_all_cells`)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_matrix import CELLS, run_all_cells
+from test_matrix import CELLS, run_all_cells, run_matrix_on_two_processes
 
 FSDP = ("--fsdp",)
 
@@ -20,14 +19,7 @@ FSDP = ("--fsdp",)
 def test_every_cell_on_two_fsdp2_processes(builtin_path, tmp_path):
     """All 54 cells under `torchrun --nproc_per_node 2` with FSDP2: each run to its checkpoint, its header naming
     FSDP2, its saved rollouts (both processes' rows) keeping the invariants."""
-    from trl_ext.launch.command import torchrun_command
-
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(torchrun_command([__file__, str(tmp_path)]), capture_output=True, text=True, timeout=1200,
-                          cwd=root)  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[matrix x2 --fsdp]")]
-    assert len(lines) == len(CELLS) and all(": ok (" in line for line in lines), lines
+    run_matrix_on_two_processes(__file__, tmp_path, "x2 --fsdp", timeout=1200)
     logs = list(tmp_path.glob("*/*/train.log"))
     assert len(logs) == len(CELLS) and all("FSDP2: " in p.read_text() for p in logs)
 

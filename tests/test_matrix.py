@@ -84,16 +84,22 @@ def test_every_cell_on_two_processes(builtin_path, tmp_path):
     """The whole matrix under `torchrun --nproc_per_node 2` (gloo): each cell one run of the one-process cells'
     global batch (4 completions per process), its checkpoint and its saved rollouts (both processes' rows) keeping the
     invariants."""
+    run_matrix_on_two_processes(__file__, tmp_path, "x2", timeout=900)
+
+
+def run_matrix_on_two_processes(script: str, out, label: str, timeout: int) -> None:
+    """``torchrun --nproc_per_node 2 script out`` (a script whose ``__main__`` runs `run_all_cells`): it exits 0 and
+    prints one ``[matrix <label>] cell: ok`` line per cell."""
     import subprocess
     from pathlib import Path
 
     from trl_ext.launch.command import torchrun_command
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(torchrun_command([__file__, str(tmp_path)]), capture_output=True, text=True, timeout=900,
+    proc = subprocess.run(torchrun_command([script, str(out)]), capture_output=True, text=True, timeout=timeout,
                           cwd=root)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[matrix x2]")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(f"[matrix {label}]")]
     assert len(lines) == len(CELLS) and all(": ok (" in line for line in lines), lines
 
 

@@ -63,6 +63,10 @@ class VLLMArgs:
                                   "only. On this machine use --vllm_mode colocate (docs/vllm.md)")
             if self.vllm_enable_sleep_mode:
                 raise ConfigError("--vllm_enable_sleep_mode needs CUDA (vLLM's sleep mode frees GPU memory)")
+            default = {f.name: f.default for f in fields(GRPOConfig)}["vllm_gpu_memory_utilization"]
+            if self.vllm_gpu_memory_utilization != default:
+                raise ConfigError("--vllm_gpu_memory_utilization has no effect on CPU: the engine's KV cache is "
+                                  "VLLM_CPU_KVCACHE_SPACE (GiB; docs/vllm.md)")
         if self.max_async_level >= 1:
             defaults = {f.name: f.default for f in fields(GRPOConfig)}
             for name in _ASYNC_SAMPLING + _ASYNC_TRL_VLLM:

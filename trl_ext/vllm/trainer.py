@@ -78,7 +78,7 @@ class VLLMMixin:
                 args = (*args[:2], config, *args[3:])
         with _engine_dtype(self) if use_vllm and not self.vllm_offpolicy else nullcontext():
             super().__init__(*args, **kwargs)
-        if use_vllm:
+        if use_vllm and self.accelerator.is_main_process:  # one line per run, not per process
             where = ("the off-policy generator's engine" if self.vllm_offpolicy
                      else f"TRL's {self.args.vllm_mode} engine ({getattr(self, 'vllm_dtype', 'the server dtype')})")
             from vllm import __version__
