@@ -9,6 +9,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every test runs on the embedded models and data: no test reaches a model hub. Set here, before huggingface_hub is
+# imported (it reads the variable once) and for every subprocess, whatever the caller exported: with the hub
+# unreachable but not marked offline, each hub look-up waits out its network retries (~45 s for one test).
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -60,3 +64,12 @@ def train_cli_error(capsys, monkeypatch):
         return err
 
     return run
+
+
+@pytest.fixture(scope="session")
+def fsdp_steps(tmp_path_factory):
+    """One SGD step of every FSDP2 equivalence variant on 1 process and on 2 FSDP2 processes, run once per session
+    (tests/test_fsdp_features.py's `run_fsdp_steps`); tests reading it carry ``xdist_group("fsdp_steps")``."""
+    from test_fsdp_features import run_fsdp_steps
+
+    return run_fsdp_steps(tmp_path_factory.mktemp("fsdp_steps"))

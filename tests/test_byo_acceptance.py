@@ -4,11 +4,11 @@ answers, and a reward in the user's own module bound as ``fn: my_module:accuracy
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zygote
 
 import trl_ext.cli_train as cli
 from trl_ext.models.tiny import build_tiny
@@ -75,7 +75,7 @@ def test_own_model_data_and_reward(user_files, tmp_path, capsys, mode):
 def test_train_py_command_line(user_files, tmp_path):
     """The same through `train.py` in a subprocess, as `uv run train.py ...` runs it."""
     root, model = user_files
-    proc = subprocess.run([sys.executable, "train.py", *_argv(root, model, tmp_path)], cwd=ROOT, capture_output=True,
+    proc = zygote.run([sys.executable, "train.py", *_argv(root, model, tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = tmp_path.iterdir()

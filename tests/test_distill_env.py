@@ -6,6 +6,7 @@ log-probs come from a direct forward of one unpadded row (teacher prompt + compl
 """
 
 import pytest
+import zygote
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -137,7 +138,6 @@ def test_plain_prompt_with_chat_tokenizer_needs_no_template(tmp_path):
 def test_train_py_pure_distillation_on_frozenlake_builtin_env(builtin_cache, tmp_path):
     """train.py end to end: a multi-turn environment, the base weights (adapters off) as the teacher with a context."""
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -150,7 +150,7 @@ def test_train_py_pure_distillation_on_frozenlake_builtin_env(builtin_cache, tmp
              "16", "--logging_steps", "1", "--save_steps", "2", "--no_wandb", "--output_dir", str(tmp_path),
              "--run_name", "distill_env"]  # fmt: skip
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "train.py", *flags], cwd=root, capture_output=True, text=True)
+    proc = zygote.run([sys.executable, "train.py", *flags], cwd=root, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads((tmp_path / "distill_env" / "checkpoint-2" / "trainer_state.json").read_text())
     logs = [h for h in state["log_history"] if "distill/teacher_logp_sum" in h]

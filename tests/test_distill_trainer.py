@@ -8,11 +8,11 @@ and the task reward from calling the reward function on the decoded completions.
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zygote
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
@@ -204,7 +204,7 @@ def test_train_py_pure_distillation(builtin_path, tmp_path):
              "--teacher_context", CONTEXT, "--eval_baseline", "--eval_baseline_prompts", "4",
              "--run_name", "distill"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = zygote.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "distill"
     baseline = json.loads((run_dir / "eval_baseline.json").read_text())

@@ -2,11 +2,11 @@
 end-to-end runs (bandit GRPO with named arms, FrozenLake SFT on slippery ice)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zygote
 
 from environments.base import ENVIRONMENTS, answer_text, env_class, make_env, run_episode
 from trl_ext.models import builtin_env as builtin_env_model
@@ -54,7 +54,7 @@ def test_tokenizer_covers_every_prompt(env_model):
 
 def _train(tmp_path, *flags):
     cmd = [sys.executable, "train.py", *flags, "--model", "builtin_env", "--no_wandb", "--output_dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = zygote.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     return run_dir, json.loads((run_dir / "run_summary.json").read_text())

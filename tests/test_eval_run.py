@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import zygote
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -176,12 +177,12 @@ def test_eval_peft_run(builtin_path, tmp_path):
     train = ["--reward", "happy_binary", "--lora_rank", "2", "--lr", "1e-3", "--batch_size", "4", "--num_generations",
              "2", "--max_steps", "2", "--max_completion_length", "8", "--logging_steps", "1", "--save_steps", "2",
              "--eval_rewards", "happy_count", "--no_wandb", "--output_dir", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run([sys.executable, "train.py", *train], cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = zygote.run([sys.executable, "train.py", *train], cwd=ROOT, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     argv = ["--model_path", str(run_dir / "checkpoint-2"), "--n_samples", "6", "--n_print", "6",
             "--eval_rewards", "happy_count"]  # fmt: skip
-    proc = subprocess.run([sys.executable, "eval_run.py", *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = zygote.run([sys.executable, "eval_run.py", *argv], cwd=ROOT, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "eval_checkpoint-2.json").read_text())
     assert report["kind"] == "peft_lora" and (report["layout"]["r"], report["layout"]["lora_alpha"]) == (2, 16)
@@ -216,7 +217,7 @@ def test_eval_dual_lora_routing(builtin_path, tmp_path):
     argv = ["--model_path", str(ckpt), "--n_samples", "4", "--prompt_source", "builtin", "--prompt_length", "8",
             "--max_new_tokens", "8", "--temperature", "1.0", "--reward", "happy_binary", "--output_dir", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "eval_run.py", *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = zygote.run([sys.executable, "eval_run.py", *argv], cwd=ROOT, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "eval_checkpoint-0.json").read_text())
     assert report["kind"] == "dual_lora" and report["layout"]["routing_mode"] == "exclusive"
@@ -226,7 +227,7 @@ def test_eval_dual_lora_routing(builtin_path, tmp_path):
     # Retain B = 0 adds exactly nothing: "both" and "forget_only" sample the same texts from the same seed.
     assert report["routing"]["both"]["samples"] == report["routing"]["forget_only"]["samples"]
     assert report["rh_detector"] is None and report["reward_history"]["rows"] == []
-    skipped = subprocess.run([sys.executable, "eval_run.py", *argv, "--no_routing_eval"], cwd=ROOT,
+    skipped = zygote.run([sys.executable, "eval_run.py", *argv, "--no_routing_eval"], cwd=ROOT,
                              capture_output=True, text=True, env=env)  # fmt: skip
     assert skipped.returncode == 0 and json.loads((tmp_path / "eval_checkpoint-0.json").read_text())["routing"] is None
 

@@ -4,20 +4,21 @@ full-state-dict checkpoints load in eval_run.py and resume exactly on 2 processe
 
 The equivalence reuses tests/test_procs.py's driver (scripted completions as a function of the prompt and of the
 global position, the completion length as reward, plain SGD at lr 1.0, 2 x 4 completions against 1 x 8), with
-``fsdp=True`` on the 2 processes. This file is also the driver the test launches (``python tests/test_fsdp.py
-equivalence OUT MODEL`` under torchrun or alone).
+``fsdp=True`` on the 2 processes, launched once for these variants and the features' (tests/test_fsdp_features.py's
+`fsdp_steps`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zygote
 import yaml
+from test_fsdp_features import FSDP_STEPS, compare_step
 from test_procs import ROOT, TWO, torchrun
 
 from trl_ext.launch.fsdp import Parallelism, check_parallelism, read_parallelism
@@ -145,37 +146,16 @@ def test_launch_header_records_the_parallelism(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ the real launcher
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    from trl_ext.models.tiny import build_tiny
-
-    return build_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
-
-
 @pytest.mark.slow
-def test_fsdp2_equals_one_process(tiny_llama, tmp_path):
+@FSDP_STEPS
+def test_fsdp2_equals_one_process(fsdp_steps):
     """One SGD step, full fine-tune and PEFT LoRA: 2 FSDP2 processes x 4 completions == 1 process x 8, within 1e-5,
     the step moving the parameters by more than 1e-2; the 2-process model really was sharded (every parameter a
-    DTensor shard, each process holding about half of the elements)."""
-    import torch
-
-    one, two = tmp_path / "one", tmp_path / "two"
-    single = subprocess.run([sys.executable, __file__, "equivalence", str(one), str(tiny_llama)], capture_output=True,
-                            text=True, timeout=240, cwd=ROOT)  # fmt: skip
-    assert single.returncode == 0, single.stderr[-3000:]
-    double = torchrun([__file__, "equivalence", str(two), str(tiny_llama)])
-    assert double.returncode == 0, double.stderr[-3000:]
+    DTensor shard, each process holding about half of the elements). The steps are the session's `fsdp_steps`
+    (tests/conftest.py), one launch for every variant."""
     for variant in VARIANTS:
-        init, a, b = (torch.load(p / f"{variant}.pt") for p in (one / "init", one, two))
-        assert a.keys() == b.keys() == init.keys() and len(a) > 0
-        moved = max((a[k] - init[k]).abs().max().item() for k in a)
-        assert moved > MOVED, f"{variant}: the step did not move the parameters ({moved})"
-        worst = max((a[k] - b[k]).abs().max().item() for k in a)
-        assert worst < TOL, f"{variant}: 2 FSDP2 processes differ from 1 process by {worst}"
-        p = json.loads((two / f"{variant}.parallelism.json").read_text())
-        assert p["kind"] == "FSDP2" and p["processes"] == 2 and p["sharded_modules"] >= 2
-        assert p["dtensor_params"] == p["params"] > 0 and p["local_elements"] < 0.51 * p["elements"]
-        assert json.loads((one / f"{variant}.parallelism.json").read_text())["kind"] == "none"
+        compare_step(*fsdp_steps, variant)
+        assert json.loads((fsdp_steps[0] / f"{variant}.parallelism.json").read_text())["kind"] == "none"
 
 
 def _train(out: Path, *extra: str) -> Path:
@@ -247,20 +227,8 @@ def test_fsdp2_lora_checkpoint_loads_in_eval_run(tmp_path):
     ckpt = run_dir / "checkpoint-2"
     adapter = safetensors.torch.load_file(str(ckpt / "adapter_model.safetensors"))
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items())
-    ev = subprocess.run([sys.executable, "eval_run.py", "--model_path", str(ckpt), "--n_samples", "4"],
+    ev = zygote.run([sys.executable, "eval_run.py", "--model_path", str(ckpt), "--n_samples", "4"],
                         capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert f"checkpoint: {ckpt} (peft_lora)" in ev.stdout
 
-
-if __name__ == "__main__":
-    import os
-
-    from test_procs import run_equivalence
-
-    from trl_ext.launch.processes import end_processes
-
-    if sys.argv[1] == "equivalence":
-        sharded = {"fsdp": True} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}
-        run_equivalence(Path(sys.argv[2]), sys.argv[3], sys.argv[3], only=VARIANTS, **sharded)
-    end_processes()

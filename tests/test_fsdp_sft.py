@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zygote
 from test_fsdp_features import compare_step
 from test_procs import ROOT, torchrun
 
@@ -47,7 +47,7 @@ def test_sft_step_on_fsdp2_equals_one_process(tiny_env_model, tmp_path):
     within 1e-5, full fine-tune and LoRA; the step moves the parameters by more than 1e-2 and the 2-process model is
     sharded (every parameter a DTensor, each process holding about half of the elements)."""
     one, two = tmp_path / "one", tmp_path / "two"
-    single = subprocess.run([sys.executable, __file__, "equivalence", str(one), str(tiny_env_model)],
+    single = zygote.run([sys.executable, __file__, "equivalence", str(one), str(tiny_env_model)],
                             capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
     assert single.returncode == 0, single.stderr[-3000:]
     double = torchrun([__file__, "equivalence", str(two), str(tiny_env_model)], timeout=300)

@@ -5,11 +5,11 @@ import copy
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zygote
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -192,7 +192,7 @@ def test_grpo_with_fast_backend_learns_the_quickstart(builtin_path, tmp_path):
              "16", "--num_generations", "8", "--max_completion_length", "32", "--logging_steps", "5", "--save_steps",
              "20", "--no_wandb", "--output_dir", str(tmp_path), "--generation_backend", "fast", "--run_name", "fast"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = zygote.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads((tmp_path / "fast" / "checkpoint-20" / "trainer_state.json").read_text())
     rewards = {h["step"]: h["reward"] for h in state["log_history"] if "reward" in h}

@@ -1,8 +1,11 @@
 """The combination matrix (every extension on every task): {full, PEFT LoRA, routed dual LoRA} x {k = 0, k = 1 strict,
 k = 1 in-flight} x {story reward, single-turn env, multi-turn env} x {distillation off, on}. Every cell either runs 2
 steps on the builtin models and keeps its invariants, or is rejected at parse time (exit 2) with a stated reason.
-All 54 cells run in-process through train.py's ``main`` (about 2 minutes on 2 cores): ``uv run pytest tests/test_matrix.py``;
-and all 54 again on 2 processes (``uv run torchrun --nproc_per_node 2 tests/test_matrix.py OUT_DIR``, about 90 s).
+All 54 cells run in-process through train.py's ``main`` (about 2 minutes on 2 cores): ``uv run pytest -m slow
+tests/test_matrix.py``. The other columns (2 processes here, FSDP2 and vLLM in their own files) run a pairwise design
+of 9 cells each (`column_cells`: every level of every factor meets every level of every other factor in some cell, and
+each column runs different cells), or all 54 with ``TRL_EXT_FULL_MATRIX=1``; the 2-process column by hand:
+``uv run torchrun --nproc_per_node 2 tests/test_matrix.py OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,25 @@ REJECTED: dict[tuple[str, str, str], str] = {
     # (adapter, k, task) -> the reason train.py gives (exit 2 before any model loads); every cell runs today
 }
 CELLS = list(itertools.product(ADAPTERS, ASYNC, TASKS, DISTILL))
+FULL_ENV = "TRL_EXT_FULL_MATRIX"
+"""Set to 1: every column runs all 54 cells instead of its pairwise design."""
+
+
+def pairwise_cells(shift: int) -> list[tuple[str, str, str, str]]:
+    """A pairwise (strength-2) covering design of the matrix in 9 cells: the orthogonal array L9(3^4), rows
+    ``(i, j, i + j, i + 2j) mod 3`` (Hedayat, Sloane & Stufken, "Orthogonal Arrays", 1999, ch. 3), with the 4th
+    factor's third level folded onto distillation on or off. ``shift`` (0, 1, 2...) relabels the off-policy and task
+    levels and picks the fold, so each column runs different cells and the columns together cover more triples."""
+    names = [list(ADAPTERS), list(ASYNC), list(TASKS), list(DISTILL) + [list(DISTILL)[shift % 2]]]
+    rows = [(i, j, (i + j) % 3, (i + 2 * j) % 3) for i in range(3) for j in range(3)]
+    return [(names[0][a], names[1][(k + shift) % 3], names[2][(t + 2 * shift) % 3], names[3][d]) for a, k, t, d in rows]
+
+
+def column_cells(shift: int) -> list[tuple[str, str, str, str]]:
+    """The cells a column of the matrix runs: its pairwise design, or all 54 with ``TRL_EXT_FULL_MATRIX=1``."""
+    import os
+
+    return CELLS if os.environ.get(FULL_ENV) == "1" else pairwise_cells(shift)
 
 
 def cell_argv(adapter: str, k: str, task: str, distill: str, out, processes: int = 1, extra=()) -> list[str]:
@@ -79,17 +101,33 @@ def test_cell(builtin_path, tmp_path, capsys, adapter, k, task, distill):
     check_cell(run_dir, adapter, k, task, distill)
 
 
+def test_pairwise_designs_cover_every_pair_and_differ():
+    """Each column's design meets every level of every factor with every level of every other factor; the three
+    columns' designs share no cell (27 of the 54 between them)."""
+    designs = [pairwise_cells(shift) for shift in range(3)]
+    levels = [list(ADAPTERS), list(ASYNC), list(TASKS), list(DISTILL)]
+    for cells in designs:
+        assert len(cells) == 9 and set(cells) <= set(CELLS)
+        for a, b in itertools.combinations(range(4), 2):
+            assert {(c[a], c[b]) for c in cells} == set(itertools.product(levels[a], levels[b])), (a, b)
+    assert len(set().union(*designs)) == 27  # the three columns run different cells
+
+
 @pytest.mark.slow
 def test_every_cell_on_two_processes(builtin_path, tmp_path):
-    """The whole matrix under `torchrun --nproc_per_node 2` (gloo): each cell one run of the one-process cells'
-    global batch (4 completions per process), its checkpoint and its saved rollouts (both processes' rows) keeping the
-    invariants."""
-    run_matrix_on_two_processes(__file__, tmp_path, "x2", timeout=900)
+    """The matrix's 2-process column under `torchrun --nproc_per_node 2` (gloo), its pairwise design (or every cell
+    with ``TRL_EXT_FULL_MATRIX=1``): each cell one run of the one-process cells' global batch (4 completions per
+    process), its checkpoint and its saved rollouts (both processes' rows) keeping the invariants."""
+    run_matrix_on_two_processes(__file__, tmp_path, "x2", timeout=900, cells=column_cells(DDP_SHIFT))
 
 
-def run_matrix_on_two_processes(script: str, out, label: str, timeout: int) -> None:
-    """``torchrun --nproc_per_node 2 script out`` (a script whose ``__main__`` runs `run_all_cells`): it exits 0 and
-    prints one ``[matrix <label>] cell: ok`` line per cell."""
+DDP_SHIFT = 0
+"""The pairwise design of the 2-process column (`pairwise_cells`); FSDP2 and vLLM take 1 and 2."""
+
+
+def run_matrix_on_two_processes(script: str, out, label: str, timeout: int, cells) -> None:
+    """``torchrun --nproc_per_node 2 script out`` (a script whose ``__main__`` runs `run_all_cells` on ``cells``): it
+    exits 0 and prints one ``[matrix <label>] cell: ok`` line per cell."""
     import subprocess
     from pathlib import Path
 
@@ -100,11 +138,12 @@ def run_matrix_on_two_processes(script: str, out, label: str, timeout: int) -> N
                           cwd=root)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     lines = [line for line in proc.stdout.splitlines() if line.startswith(f"[matrix {label}]")]
-    assert len(lines) == len(CELLS) and all(": ok (" in line for line in lines), lines
+    assert len(lines) == len(cells) and all(": ok (" in line for line in lines), lines
+    assert {line.split("] ")[1].split(":")[0] for line in lines} == {"-".join(c) for c in cells}, lines
 
 
-def run_all_cells(out: Path, extra=(), check=check_cell) -> int:
-    """Every cell through train.py's ``main`` in this process, one after another (under ``torchrun --nproc_per_node
+def run_all_cells(out: Path, cells, extra=(), check=check_cell) -> int:
+    """``cells`` through train.py's ``main`` in this process, one after another (under ``torchrun --nproc_per_node
     2``: on 2 processes, 4 completions each, the global batch of the one-process cells), with train.py flags ``extra``;
     the main process checks each finished run (``check``) and prints one line per cell. Returns the number of failed
     cells."""
@@ -114,7 +153,7 @@ def run_all_cells(out: Path, extra=(), check=check_cell) -> int:
 
     rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     failed = 0
-    for cell in CELLS:
+    for cell in cells:
         start, cell_out = time.time(), out / "-".join(cell)
         code = cli.main(cell_argv(*cell, cell_out, processes=n, extra=extra))
         status = f"exit {code}"
@@ -138,6 +177,6 @@ if __name__ == "__main__":  # uv run torchrun --nproc_per_node 2 tests/test_matr
 
     from trl_ext.launch.processes import end_processes
 
-    failed = run_all_cells(Path(sys.argv[1]))
+    failed = run_all_cells(Path(sys.argv[1]), column_cells(DDP_SHIFT))
     end_processes()
     sys.exit(1 if failed else 0)

@@ -4,12 +4,12 @@ runs of the asynchronous generator driving multi-turn FrozenLake on the builtin_
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import zygote
 
 from environments.base import make_env
 from environments.base import SEPARATOR
@@ -86,7 +86,7 @@ def run(out: Path, *flags: str) -> Path:
            "--batch_size", "8", "--num_generations", "4", "--max_completion_length", "96", "--max_steps", "4",
            "--logging_steps", "1", "--save_steps", "4", "--no_wandb", "--lr", "1e-4", "--save_rollouts",
            "--output_dir", str(out), *flags]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = zygote.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (run_dir,) = out.iterdir()
     return run_dir

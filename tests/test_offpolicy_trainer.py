@@ -1,15 +1,17 @@
 """Off-policy training through the trainer: flags and their errors (exit 2 before any model is loaded), the
 gradient against stock TRL, the strict schedule, in-flight updates, resume, and the builtin model end to end."""
 
+import collections
 import json
 import os
-import subprocess
 import sys
 import threading
+import time
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import zygote
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -251,6 +253,129 @@ def test_non_strict_in_flight_update_through_trainer(tmp_path, monkeypatch):
     assert logged(trainer, "offpolicy/multi_version_seq_frac")[1] > 0
 
 
+# ---------------------------------------------------------------- in-flight versions on a real sampler
+
+SWITCH_AT = 4
+"""`InflightRecorder`'s batches n >= 1: tokens before SWITCH_AT sampled by policy n - 1, the rest by policy n."""
+
+
+def _cloned(state: dict) -> dict:
+    return {name: tensor.detach().clone() for name, tensor in state.items()}
+
+
+class InflightRecorder(opt.RolloutWorker):
+    """The generator with a forced in-flight update, recorded: batch n >= 1 starts on policy n - 1 and, at its first
+    decoding step at or after SWITCH_AT (a chunk start for vLLM), waits for policy n, whose publish the trainer holds
+    until then. Keeps each published policy's weights (``published``) and each batch handed to the trainer
+    (``rollouts``); ``last`` is the newest instance. Also the driver of tests/test_vllm.py's in-flight test (`save`)."""
+
+    last = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        InflightRecorder.last, self.on_step, self.rollouts = self, self._pause, []
+        self.reached: dict[int, threading.Event] = collections.defaultdict(threading.Event)
+        self.published = {v: _cloned(s) for v, s in self.store._snapshots.items()}
+        publish = self.store.publish
+
+        def held_publish(version, model):
+            self.reached[version].wait(60)  # batch `version` is past SWITCH_AT tokens of the older policy
+            publish(version, model)
+            self.published[version] = _cloned(self.store._snapshots[version])
+
+        self.store.publish = held_publish
+
+    def _pause(self, index, t):
+        if index >= 1 and t >= SWITCH_AT and not self.reached[index].is_set():
+            self.reached[index].set()
+            deadline = time.monotonic() + 60
+            while not (self._stop.is_set() or self.store.latest >= index) and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    def get(self, index, poll_s=0.2):
+        rollout = super().get(index, poll_s)
+        self.rollouts.append(rollout)
+        return rollout
+
+    def save(self, path) -> None:
+        fields_ = ("prompt_ids", "completion_ids", "logprobs", "versions")
+        torch.save({"published": self.published, "temperature": self.params.temperature,
+                    "rollouts": [{f: getattr(r, f) for f in fields_} for r in self.rollouts]}, path)  # fmt: skip
+
+
+def _set_weights(model, state: dict) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+
+
+@torch.no_grad()
+def replay_logprobs(model, published, prompt_ids, completion_ids, step_versions, pad_id, temperature):
+    """The fast sampler's computation teacher-forced: the left-padded prompts prefilled by policy
+    ``step_versions[0]``, then completion token t - 1 fed by policy ``step_versions[t]`` onto the kept KV cache; per
+    row, ``log_softmax(logits / temperature)`` of its tokens."""
+    from transformers import DynamicCache
+    from trl.trainer.utils import pad
+
+    ids = pad([torch.tensor(p) for p in prompt_ids], padding_value=pad_id, padding_side="left")
+    mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], padding_value=0, padding_side="left")
+    width = max(map(len, completion_ids))
+    tokens = torch.tensor([c + [pad_id] * (width - len(c)) for c in completion_ids])
+    cache, out = DynamicCache(config=model.config), []
+    for t in range(width):
+        _set_weights(model, published[step_versions[t]])
+        if t:
+            ids, mask = tokens[:, t - 1 : t], torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+        out.append(torch.log_softmax(logits.float() / temperature, -1).gather(1, tokens[:, t : t + 1]))
+    lp = torch.cat(out, 1)
+    return [lp[i, : len(c)] for i, c in enumerate(completion_ids)]
+
+
+@torch.no_grad()
+def forced_logprobs(model, state, prompt_ids, completion_ids, temperature):
+    """Teacher forcing under ``state``'s weights, each row unpadded from position 0 (right padding): per row,
+    ``log_softmax(logits / temperature)`` of its completion tokens."""
+    _set_weights(model, state)
+    seqs = [p + c for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    lps = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float() / temperature, -1)
+    return [lps[i, len(p) - 1 : len(p) - 1 + len(c)].gather(1, torch.tensor(c)[:, None])[:, 0]
+            for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True))]  # fmt: skip
+
+
+def test_inflight_tokens_carry_their_versions_logprobs(tmp_path, monkeypatch):
+    """Non-strict k = 1 with the fast sampler, lr 1e-2, each batch n >= 1 switched from policy n - 1 to n after
+    SWITCH_AT tokens (`InflightRecorder`): every token's behaviour log-prob is what its stamped policy gives, replayed
+    with the sampler's kept KV cache (`replay_logprobs`), and the tokens stamped with the newer policy are far from
+    what the older one gives (so a wrong stamp shows)."""
+    monkeypatch.setattr(opt, "RolloutWorker", InflightRecorder)
+    model_dir = tiny_model_dir(tmp_path)
+    trainer = make_trainer(tmp_path, model_dir=model_dir, max_async_level=1, max_steps=4, max_completion_length=12,
+                           generation_backend="fast")  # fmt: skip
+    trainer.train()
+    rec, model = InflightRecorder.last, LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad_id, temperature = rec.params.pad_token_id, rec.params.temperature
+    own, other, split = [], [], 0
+    for r in rec.rollouts:
+        steps = max(r.versions, key=len)
+        stamped = replay_logprobs(model, rec.published, r.prompt_ids, r.completion_ids, steps, pad_id, temperature)
+        first = replay_logprobs(model, rec.published, r.prompt_ids, r.completion_ids, [steps[0]] * len(steps), pad_id,
+                                temperature)  # fmt: skip
+        for lp, versions, a, b in zip(r.logprobs, r.versions, stamped, first, strict=True):
+            lp, newer = torch.tensor(lp), torch.tensor(versions) != versions[0]
+            own.append((a - lp).abs())
+            other.append((b - lp).abs()[newer])
+            split += bool(newer.any())
+    own, other = torch.cat(own), torch.cat(other)
+    assert own.max() < 1e-5, own.max()  # measured 4.8e-7 (mean 1.5e-7, 342 tokens); stamps of the first version: 0.27
+    assert split >= 16 and [r.version_range() for r in rec.rollouts] == [(0, 0), (0, 1), (1, 2), (2, 3)]
+    assert other.min() > 1e-4 and other.mean() > 1e-2, other  # measured min 1.6e-3, mean 4.9e-2 (166 tokens)
+
+
 def test_resume_regenerates_from_restored_policy(tmp_path):
     model_dir = tiny_model_dir(tmp_path)
     first = make_trainer(tmp_path, model_dir=model_dir, max_async_level=2, strict_async_level=True, max_steps=6,
@@ -330,7 +455,7 @@ def test_train_py_strict_k1_on_builtin(builtin_path, tmp_path):
              "--no_wandb", "--output_dir", str(tmp_path), "--max_async_level", "1", "--strict_async_level",
              "--run_name", "offpolicy"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = zygote.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "offpolicy"
     assert "offpolicy/policy_lag_mean" in (run_dir / "train.log").read_text()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zygote
 from transformers import TrainerControl, TrainerState
 
 from trl_ext.launch.command import torchrun_command
@@ -115,7 +116,7 @@ def test_sweep_resumes_a_preempted_child(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------ end to end
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     with open(log, "w") as f:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        return zygote.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_for(predicate, proc: subprocess.Popen, log: Path, what: str, timeout: float = 300):
@@ -175,7 +176,7 @@ def train_py(out: Path, *flags: str) -> list[str]:
 
 
 def resume(out: Path, *flags: str) -> Path:
-    proc = subprocess.run(train_py(out, *flags, "--resume_from_checkpoint", "latest"), cwd=ROOT, capture_output=True,
+    proc = zygote.run(train_py(out, *flags, "--resume_from_checkpoint", "latest"), cwd=ROOT, capture_output=True,
                           text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (run_dir,) = out.iterdir()
@@ -188,7 +189,7 @@ def resume(out: Path, *flags: str) -> Path:
 def test_sigterm_then_resume_matches_uninterrupted(builtin_path, tmp_path):
     """One process, full fine-tune: SIGTERM in step 3 or later -> checkpoint of that step, exit 0; the resumed run's
     per-step logs equal the uninterrupted run's exactly."""
-    ref = subprocess.run(train_py(tmp_path / "a"), cwd=ROOT, capture_output=True, text=True)
+    ref = zygote.run(train_py(tmp_path / "a"), cwd=ROOT, capture_output=True, text=True)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run_dir, proc, log = preempt(train_py(tmp_path / "b"), tmp_path / "b", lambda p: [p.pid])
     step = check_preempted(run_dir, proc, log)
@@ -223,9 +224,8 @@ def _workers(agent: subprocess.Popen) -> list[int]:
         time.sleep(0.05)
 
 
-def two_process_cmd(out: Path, *flags: str) -> list[str]:
-    return torchrun_command(["train.py", *BASE, "--batch_size", "4", *flags,
-                             "--output_dir", str(out)])  # fmt: skip
+def two_process_args(out: Path, *flags: str) -> list[str]:
+    return ["train.py", *BASE, "--batch_size", "4", *flags, "--output_dir", str(out)]
 
 
 @pytest.mark.slow
@@ -233,13 +233,13 @@ def test_sigterm_two_processes_then_resume_matches_uninterrupted(tmp_path):
     """torchrun, 2 processes: SIGTERM to each rank -> both stop after the same step, one complete checkpoint with
     both ranks' RNG states, every rank exits 0 (so torchrun does); resumed on 2 processes, the per-step logs equal
     an uninterrupted 2-process run's exactly."""
-    ref = subprocess.run(two_process_cmd(tmp_path / "a"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ref = zygote.torchrun(two_process_args(tmp_path / "a"), cwd=ROOT, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    run_dir, proc, log = preempt(two_process_cmd(tmp_path / "b"), tmp_path / "b", _workers)
+    run_dir, proc, log = preempt(torchrun_command(two_process_args(tmp_path / "b")), tmp_path / "b", _workers)
     step = check_preempted(run_dir, proc, log)
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in (run_dir / f"checkpoint-{step}").iterdir()}
-    again = subprocess.run(two_process_cmd(tmp_path / "b", "--resume_from_checkpoint", "latest"), cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    again = zygote.torchrun(two_process_args(tmp_path / "b", "--resume_from_checkpoint", "latest"), cwd=ROOT,
+                            timeout=300)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((run_dir / "run_summary.json").read_text())["status"] == "done"
     expected, resumed = history(next((tmp_path / "a").iterdir())), history(run_dir)
@@ -271,7 +271,7 @@ def test_sigterm_sft_mode_then_resume(tmp_path):
     assert summary["checkpoint"] == str(run_dir / f"checkpoint-{step}") and is_complete(summary["checkpoint"])
     assert not (run_dir / "model").exists()
     assert f"preempted at step {step} of 80" in (run_dir / "train.log").read_text()
-    again = subprocess.run([*cmd, "--resume_from_checkpoint", "latest"], cwd=ROOT, capture_output=True, text=True)
+    again = zygote.run([*cmd, "--resume_from_checkpoint", "latest"], cwd=ROOT, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert summary["status"] == "done" and (run_dir / "model" / "config.json").is_file()

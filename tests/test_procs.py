@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zygote
 
 from trl_ext.launch.command import torchrun_command
 from trl_ext.launch.processes import (
@@ -126,9 +127,13 @@ def test_launched_processes(env, expected):
     assert launched_processes(env) == expected
 
 
-# ------------------------------------------------------------------------------------------ the real launcher
-def torchrun(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(torchrun_command(args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+# ------------------------------------------------------------------------------------------ the launcher
+def torchrun(args: list[str], timeout: int = 240, real: bool = False) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 2 args`` from ROOT, its output captured: the real launcher with ``real`` (the tests
+    of the launch itself), else its ranks forked with torchrun's environment (`zygote.torchrun`: no import per rank)."""
+    if real:
+        return subprocess.run(torchrun_command(args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return zygote.torchrun(args, cwd=ROOT, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +161,7 @@ def test_two_processes_equal_one_process(tiny_llama, tiny_llama_env, tmp_path):
     import torch
 
     one, two = tmp_path / "one", tmp_path / "two"
-    single = subprocess.run([sys.executable, __file__, "equivalence", str(one), str(tiny_llama), str(tiny_llama_env)],
+    single = zygote.run([sys.executable, __file__, "equivalence", str(one), str(tiny_llama), str(tiny_llama_env)],
                             capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
     assert single.returncode == 0, single.stderr[-3000:]
     double = torchrun([__file__, "equivalence", str(two), str(tiny_llama), str(tiny_llama_env)])
@@ -194,7 +199,7 @@ def test_torchrun_train_py_is_one_run(tmp_path):
     out = tmp_path / "out"
     args = ["train.py", "--reward", "happy_binary", "--max_steps", "2", "--batch_size", "4", "--num_generations", "4",
             "--max_completion_length", "8", "--save_steps", "2", "--logging_steps", "1", "--no_wandb"]  # fmt: skip
-    proc = torchrun([*args, "--output_dir", str(out)])
+    proc = torchrun([*args, "--output_dir", str(out)], real=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = out.iterdir()
     log = (run_dir / "train.log").read_text()
@@ -211,11 +216,11 @@ def test_torchrun_train_py_is_one_run(tmp_path):
     assert "launch:\n  num_processes: 2" in (run_dir / "run_config.yaml").read_text()
     # The same launch again: the main process finds the run and every rank receives its refusal (exit 2, none
     # waits; torchrun may stop the second rank before it prints).
-    again = torchrun([*args, "--output_dir", str(out)])
+    again = torchrun([*args, "--output_dir", str(out)], real=True)
     assert again.returncode != 0 and "exitcode  : 2" in again.stderr
     assert f"train.py: error: {run_dir} already holds a run" in again.stderr
     # One process cannot continue it (half the global batch): refused while parsing, naming the difference.
-    resume = subprocess.run([sys.executable, *args, "--output_dir", str(tmp_path / "one"), "--resume_from_checkpoint",
+    resume = zygote.run([sys.executable, *args, "--output_dir", str(tmp_path / "one"), "--resume_from_checkpoint",
                              str(ckpt)], capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
     assert resume.returncode == 2
     assert "num_processes: checkpoint 2, command '<absent>'" in resume.stderr
@@ -242,7 +247,7 @@ def test_a_failing_rank_ends_the_launch(tmp_path):
     start = time.time()
     proc = torchrun(["train.py", "--reward", "boom", "--config", str(config), "--max_steps", "2", "--batch_size", "4",
                      "--num_generations", "4", "--max_completion_length", "8", "--no_wandb",
-                     "--output_dir", str(tmp_path / "out")], timeout=120)  # fmt: skip
+                     "--output_dir", str(tmp_path / "out")], timeout=120, real=True)  # fmt: skip
     assert proc.returncode != 0
     assert time.time() - start < 60 + 30  # 60 s from the failure; the launch's own start-up is the rest
     assert "reward exploded on rank 1 at step 1" in proc.stderr

@@ -3,10 +3,10 @@ to a checkpoint, writing its files once (the equivalence of the steps themselves
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
+import zygote
 from test_procs import PROMPTS, ROOT, torchrun
 
 
@@ -63,7 +63,7 @@ def test_torchrun_routed_run_to_a_checkpoint(tmp_path):
     assert [r["step"] for r in records] == [2] and set(records[0]["modes"]) == {"both", "retain_only", "forget_only"}
     ckpt = run_dir / "checkpoint-2"
     assert (ckpt / "dual_lora_layout.json").is_file() and not (ckpt / "model.safetensors").exists()
-    ev = subprocess.run([sys.executable, "eval_run.py", "--model_path", str(ckpt), "--n_samples", "4"],
+    ev = zygote.run([sys.executable, "eval_run.py", "--model_path", str(ckpt), "--n_samples", "4"],
                         capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert f"checkpoint: {ckpt} (dual_lora)" in ev.stdout and "retain_only" in ev.stdout

@@ -6,11 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zygote
 import torch
 
 from trl_ext.registry import ConfigError
@@ -128,7 +128,7 @@ def test_train_py_records_start_weights_and_refuses_a_resume_from_others(builtin
             "--output_dir", str(tmp_path)]  # fmt: skip
 
     def train(*flags):
-        return subprocess.run([*base, *flags], cwd=ROOT, capture_output=True, text=True)
+        return zygote.run([*base, *flags], cwd=ROOT, capture_output=True, text=True)
 
     def cut_to_checkpoint_2():  # as if killed after checkpoint 2
         shutil.rmtree(run_dir / "checkpoint-4")

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zygote
 import torch
 from datasets import Dataset
 
@@ -41,7 +42,7 @@ KEYS = ("loss", "reward", "kl", "grad_norm", "learning_rate")
 
 
 def train(out: Path, *flags: str, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "train.py", *flags, "--output_dir", str(out)], cwd=ROOT,
+    proc = zygote.run([sys.executable, "train.py", *flags, "--output_dir", str(out)], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -62,7 +63,7 @@ def kill_after_checkpoint(out: Path, flags: list[str], step: int) -> Path:
     """Start train.py, SIGKILL it as soon as checkpoint ``step`` is complete; return the run directory."""
     log = out.with_name(out.name + ".log")
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "train.py", *flags, "--output_dir", str(out)], cwd=ROOT,
+        proc = zygote.Popen([sys.executable, "train.py", *flags, "--output_dir", str(out)], cwd=ROOT,
                                 stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
     run_dir = wait_for_checkpoint(out, step, proc, log)
     proc.send_signal(signal.SIGKILL)
@@ -122,24 +123,25 @@ def _train_py_pids(marker: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_sweep_resumes_a_killed_child(builtin_path, tmp_path):
+def test_sweep_resumes_a_killed_child(builtin_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # CPU slots (--parallel), whatever the caller exported
     out = tmp_path / "s"
     fixed = [f"{f.lstrip('-')}={v}" for f, v in zip(BASE[2::2], BASE[3::2]) if f != "--no_wandb"]
     argv = [sys.executable, "sweep.py", "--reward", "happy_binary", "--grid", "seed=5", "--fixed", *fixed,
             f"output_dir={out}", "--train_flags", "no_wandb", "--parallel", "1", "--status_every", "600"]
     log = tmp_path / "sweep.log"
     with open(log, "w") as f:
-        sweep = subprocess.Popen(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        sweep = zygote.Popen(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     run_dir = wait_for_checkpoint(out, 2, sweep, log)
     (pid,) = _train_py_pids(str(out))
     os.kill(pid, signal.SIGKILL)
     assert sweep.wait(timeout=120) == 1 and "FAILED" in log.read_text()
-    again = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    again = zygote.run(argv, cwd=ROOT, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout[-3000:]
     assert f"unfinished run resumes from {run_dir / 'checkpoint-2'}" in again.stdout
     # The reference is the same sweep uninterrupted (a sweep child's thread settings are the sweep's own).
     uninterrupted = [a.replace(str(out), str(tmp_path / "u")) for a in argv]
-    assert subprocess.run(uninterrupted, cwd=ROOT, capture_output=True, text=True).returncode == 0
+    assert zygote.run(uninterrupted, cwd=ROOT, capture_output=True, text=True).returncode == 0
     ref, resumed = history(next(p for p in (tmp_path / "u").iterdir() if p.name == run_dir.name)), history(run_dir)
     assert sorted(resumed) == list(range(1, 7))
     for step in range(1, 7):
@@ -310,8 +312,9 @@ def test_environment_rollouts_keep_turn_boundaries(tmp_path):
 
 @pytest.mark.slow
 def test_resumed_run_continues_its_wandb_run_offline(tmp_path, monkeypatch):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc key: wandb logs offline
+    for name in [n for n in os.environ if n.startswith("WANDB_")]:  # the caller's WANDB_MODE=disabled, WANDB_DIR, key
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc key: train.py itself picks offline mode
     flags = [f for f in BASE if f != "--no_wandb"] + ["--max_steps", "4"]
     train(tmp_path / "out", *flags)
     (run_dir,) = (tmp_path / "out").iterdir()

@@ -3,11 +3,11 @@ records, the adapter layout saved with the checkpoint, train.log and the logged 
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # every linear of a block
@@ -23,7 +23,7 @@ def test_train_with_routing_on_builtin(builtin_path, tmp_path):
         "--no_wandb", "--output_dir", str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = zygote.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     name = ("sentence_length_5_with_happy_builtin_lr1e-3_b0.02_bs8_ng4_dual_r2f2_st4_s42_gradient_routingtrue"

@@ -43,6 +43,58 @@ def test_latest_is_the_newest_complete_checkpoint(tmp_path):
     assert not list(tmp_path.glob("checkpoint-10/.*.tmp"))
 
 
+class _KilledMidWrite(OSError):
+    pass
+
+
+def _dying_writes(monkeypatch, under):
+    """Every file opened for writing under ``under`` gets half of what is written to it, then the writer dies (a
+    process killed, a full disk): what a reader sees afterwards is what a kill mid-write leaves."""
+    import builtins
+
+    real_open = builtins.open
+
+    class Dying:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise _KilledMidWrite("killed while writing")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def dying_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return Dying(f) if "w" in mode and str(file).startswith(str(under)) else f
+
+    monkeypatch.setattr(builtins, "open", dying_open)
+
+
+def test_interrupted_marker_write_leaves_no_marker(tmp_path, monkeypatch):
+    """The marker is written to a temporary file and renamed: a write killed half way leaves no marker (the
+    checkpoint stays incomplete) and leaves an existing file whole, never a half-written one."""
+    ckpt = tmp_path / "checkpoint-3"
+    ckpt.mkdir()
+    kept = tmp_path / "kept.json"
+    ck.write_atomic(kept, '{"old": true}')
+    _dying_writes(monkeypatch, tmp_path)
+    with pytest.raises(_KilledMidWrite):
+        ck.mark_complete(ckpt, 3)
+    assert not ck.is_complete(ckpt) and ck.latest_complete(tmp_path) is None
+    with pytest.raises(_KilledMidWrite):
+        ck.write_atomic(kept, '{"new": true, "longer": "than the old text"}')
+    assert json.loads(kept.read_text()) == {"old": True}
+
+
 def test_resolve_resume_errors(tmp_path):
     with pytest.raises(ConfigError, match="no complete checkpoint"):
         ck.resolve_resume("latest", tmp_path)

@@ -5,12 +5,12 @@ a 2x2 grid of real train.py runs on the builtin model with one run that fails on
 import csv
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import zygote
 
 import trl_ext.sweep as sw
 from trl_ext.registry import ConfigError
@@ -233,7 +233,8 @@ def test_grid_on_builtin_with_one_failure(builtin_path, tmp_path):
             "--fixed", "batch_size=4", "num_generations=2", "max_steps=2", "max_completion_length=8",
             "logging_steps=1", "save_steps=2", f"output_dir={tmp_path}", "--train_flags", "no_wandb",
             "--parallel", "2", "--status_every", "5"]  # fmt: skip
-    first = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # CPU slots (--parallel), whatever the caller exported
+    first = zygote.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
     assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]
     (sweep_dir,) = (tmp_path / "sweeps").iterdir()
     rows = json.loads((sweep_dir / "summary.json").read_text())
@@ -248,7 +249,7 @@ def test_grid_on_builtin_with_one_failure(builtin_path, tmp_path):
     assert "FAILED" in first.stdout
     assert (sweep_dir / "summary.csv").is_file() and (sweep_dir / "reward_curves.png").is_file()
 
-    again = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
+    again = zygote.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
     assert again.returncode == 1
     assert again.stdout.count("[sweep] start: ") == 1 and "start: prompt_length=40 num_prompts=5000" in again.stdout
     rows = json.loads((sweep_dir / "summary.json").read_text())

@@ -3,11 +3,11 @@
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zygote
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +22,7 @@ def test_train_few_steps_on_builtin(builtin_path, tmp_path):
         "--zero_signal_patience", "1", "--no_wandb", "--output_dir", str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = zygote.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     name = "happy_binary_builtin_lr3e-4_b0.02_bs8_ng4_full_st4_s42_max_completion_length16"
@@ -68,7 +68,7 @@ def test_train_from_local_path(builtin_path, tmp_path):
         "--batch_size", "4", "--num_generations", "2", "--max_completion_length", "8", "--no_wandb",
         "--output_dir", str(tmp_path / "out"),
     ]  # fmt: skip
-    proc = subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True)
+    proc = zygote.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "out").iterdir()
     assert run_dir.name == "happy_binary_my-model_lr1e-5_b0.02_bs4_ng2_full_st1_s42_max_completion_length8_promptsbuiltin"

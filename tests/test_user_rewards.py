@@ -5,13 +5,13 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import zygote
 
 from rewards import load_reward_config
 from rewards.bound import RewardInputError, on_prompts, score, trl_context
@@ -319,7 +319,7 @@ def test_train_with_reward_model_on_builtin(reward_model, tmp_path):
         "--max_steps", "2", "--batch_size", "4", "--num_generations", "2", "--max_completion_length", "8",
         "--logging_steps", "1", "--save_steps", "2", "--no_wandb", "--output_dir", str(tmp_path / "out"),
     ]  # fmt: skip
-    proc = subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True,
+    proc = zygote.run([sys.executable, "train.py", *flags], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "out").iterdir()
@@ -332,7 +332,7 @@ def test_train_with_reward_model_on_builtin(reward_model, tmp_path):
     assert re.search(r"'rewards/rm/mean': '?-?\d", (run_dir / "train.log").read_text())
     # eval_run.py scores the run's reward model on its held-out samples, each with its prompt
     argv = ["--model_path", str(run_dir / "checkpoint-2"), "--n_samples", "4", "--n_print", "4"]
-    proc = subprocess.run([sys.executable, "eval_run.py", *argv], cwd=ROOT, capture_output=True, text=True)
+    proc = zygote.run([sys.executable, "eval_run.py", *argv], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "eval_checkpoint-2.json").read_text())
     per_sample = [smp["rewards"]["rm"] for smp in report["samples"]]

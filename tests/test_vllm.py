@@ -57,6 +57,58 @@ def test_sync_takes_effect_at_k0(tmp_path):
     assert gap_off[0] < LAG0_BOUND and gap_off[-1] > 100 * LAG0_BOUND, gap_off  # stale engine: the gap opens
 
 
+def test_k1_strict_engine_follows_the_policy(tmp_path):
+    """Strict k = 1, 8 steps at a constant lr 3e-4: batch n is sampled by policy n - 1, so from step 2 on the
+    behaviour/trainer gap is one step's drift, and it stays there only if the engine loads every published policy.
+    Measured mean |log ratio| at steps 2-8: 0.029, 0.033, 0.036, 0.033, 0.032, 0.034, 0.036; with
+    ``VLLMEngine.load`` a no-op (the engine keeps the start checkpoint) 0.029, 0.075, 0.073, 0.11, 0.12, 0.21, 0.20.
+    Step 2's gap (policy 1 against policy 0) is the same either way, so it is the yardstick."""
+    flags = ["--reward", "happy_binary", "--use_vllm", "--max_async_level", "1", "--strict_async_level", "--lr", "3e-4",
+             "--lr_scheduler_type", "constant", "--max_steps", "8", "--save_steps", "8"]  # fmt: skip
+    _, logs, _ = train(tmp_path, *flags)
+    gap = [r["offpolicy/abs_log_ratio_mean"] for r in logs]
+    assert [r["offpolicy/policy_lag_max"] for r in logs] == [0] + [1] * 7 and gap[0] < LAG0_BOUND, logs
+    assert gap[1] > 1e3 * LAG0_BOUND, gap  # the policy really moves: a step's drift is far above float error
+    assert max(gap[2:]) < 1.8 * gap[1], gap  # one step's drift at every step (on: <= 1.26x; off: >= 2.5x)
+
+
+def test_vllm_inflight_tokens_carry_their_versions_logprobs(builtin_path, tmp_path):
+    """Non-strict k = 1, --vllm_inflight_tokens 4, lr 3e-4: each batch n >= 1 switched from policy n - 1 to n at its
+    second chunk (tests/test_offpolicy_trainer.py's `InflightRecorder`, patched into train.py's main, which also keeps
+    every published policy). Every token's vLLM log-prob is its stamped policy's, teacher-forced over its whole prefix
+    (the engine re-encodes the prefix after a load), and far from the other policy's (so a wrong stamp shows)."""
+    import torch
+    from test_offpolicy_trainer import forced_logprobs
+    from transformers import AutoModelForCausalLM
+
+    record = tmp_path / "record.pt"
+    driver = ("import sys; sys.path.insert(0, 'tests'); import test_offpolicy_trainer as t; "
+              "import trl_ext.offpolicy.trainer as o; from trl_ext.cli_train import main; "
+              "o.RolloutWorker = t.InflightRecorder; rc = main(sys.argv[2:]); "
+              "t.InflightRecorder.last.save(sys.argv[1]); sys.exit(rc)")  # fmt: skip
+    flags = ["--reward", "happy_binary", "--use_vllm", "--max_async_level", "1", "--vllm_inflight_tokens", "4",
+             "--max_completion_length", "16", "--lr", "3e-4", "--max_steps", "3", "--save_steps", "3"]  # fmt: skip
+    argv = ["--output_dir", str(tmp_path / "out"), *SMALL, *flags]
+    train(tmp_path / "out", *flags, script=[sys.executable, "-c", driver, str(record), *argv])
+    rec = torch.load(record)
+    model = AutoModelForCausalLM.from_pretrained(builtin_path, dtype=torch.float32).eval()
+    own, other = [], []
+    for r in rec["rollouts"]:
+        lo, hi = min(map(min, r["versions"])), max(map(max, r["versions"]))
+        forced = {v: forced_logprobs(model, rec["published"][v], r["prompt_ids"], r["completion_ids"],
+                                     rec["temperature"]) for v in (lo, hi)}  # fmt: skip
+        for i, (lp, versions) in enumerate(zip(r["logprobs"], r["versions"], strict=True)):
+            lp, newer = torch.tensor(lp), torch.tensor(versions) == hi
+            own.append((torch.where(newer, forced[hi][i], forced[lo][i]) - lp).abs())
+            if lo != hi:
+                other.append((torch.where(newer, forced[lo][i], forced[hi][i]) - lp).abs())
+    own = torch.cat(own)
+    assert own.max() < 5e-5, own.max()  # measured 4.7e-6 (mean 3.3e-7, 752 tokens); stamps of the first chunk: 0.85
+    ranges = [(min(map(min, r["versions"])), max(map(max, r["versions"]))) for r in rec["rollouts"]]
+    assert ranges == [(0, 0), (0, 1), (1, 2)], ranges
+    assert torch.cat(other).mean() > 1e-2, other  # measured 3.4e-2 (498 tokens of the two split batches)
+
+
 def test_resume_k1_engine_loads_the_restored_policy(tmp_path):
     """A resumed k = 1 run restarts the generator at the checkpoint's version: its first batch is sampled by the
     restored policy (LoRA adapters trained 2 steps at lr 3e-3), so the lag-0 ratio is at float error again; an engine

@@ -1,0 +1,351 @@
+"""A fork server for the tests' script runs (`run`, `Popen`): ``python train.py ...`` (and eval_run.py, sweep.py)
+started as a real process of its own, with its own pid, exit code, signals, files and environment, without paying
+the import of torch, transformers and TRL at every start (4-8 s of CPU on 2 cores).
+
+One server per test process (started on first use) imports the entry points' modules once and then only forks: it
+computes nothing, so no thread or OpenMP pool exists to be lost in a fork. Each child takes the caller's working
+directory, environment and standard streams (passed over a Unix socket), runs the script as ``__main__`` and exits
+as the interpreter would (non-daemon threads joined, atexit handlers run). A command the server cannot start the same
+way goes to `subprocess` unchanged: another program, a pipe, or an environment that differs from the server's in a
+variable some module reads once at import (``HF_*``, ``CUDA_*``, ``OMP_*``, ``PYTHON*``, ...).
+
+The server is this file run as a script: ``python tests/zygote.py SOCKET``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PRELOAD = ("trl_ext.cli_train", "trl_ext.launch.processes", "trl_ext.trainer", "trl_ext.evaluate")
+IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "DATASETS", "TORCH_", "PYTORCH", "CUDA",
+                   "NCCL", "OMP_", "MKL_", "OPENBLAS", "KMP_", "GOMP", "PYTHON", "LD_", "ACCELERATE", "VLLM",
+                   "TRL_EXT_SABOTAGE", "WANDB_")
+"""Variables some module may read once, when imported: a run whose environment differs from the server's in one of
+them starts as a plain subprocess (wandb's are here because wandb reads its settings when set up in a process).
+``OMP_NUM_THREADS`` is the exception: the child applies it (``torch.set_num_threads``), as OpenMP would at start."""
+THREADS_ENV = "OMP_NUM_THREADS"
+HEADER = struct.Struct("!Q")
+
+
+def _sensitive(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k != THREADS_ENV}
+
+
+class _Server:
+    """The server process of this test process, started once."""
+
+    lock = threading.Lock()
+    instance: _Server | None = None
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="zygote-")) / "socket"
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, __file__, str(self.path)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=self.env, cwd=ROOT)  # fmt: skip
+        self.ready = False
+
+    @classmethod
+    def get(cls) -> _Server:
+        with cls.lock:
+            if cls.instance is None or cls.instance.proc.poll() is not None:
+                cls.instance = cls()
+            server = cls.instance
+            if not server.ready:
+                line = server.proc.stdout.readline()  # the server prints "ready" once its imports are done
+                assert line.strip() == b"ready", f"the fork server did not start: {line!r}"
+                server.ready = True
+            return server
+
+    def accepts(self, cmd, cwd, env: dict[str, str]) -> bool:
+        """``[sys.executable, script.py, ...]`` of a script of this repository, in an environment the server's
+        imports agree with."""
+        if len(cmd) < 2 or cmd[0] != sys.executable or not cmd[1].endswith(".py"):
+            return False
+        script = Path(cwd or os.getcwd(), cmd[1]).resolve()
+        return script.is_relative_to(ROOT) and script.is_file() and _sensitive(env) == _sensitive(self.env)
+
+
+def _fd(stream, default: int) -> tuple[int, bool]:
+    """(a file descriptor for ``stream``, whether it must be closed after the send)."""
+    if stream is None:
+        return default, False
+    if stream == subprocess.DEVNULL:
+        return os.open(os.devnull, os.O_RDWR), True
+    if isinstance(stream, int):
+        return stream, False
+    return stream.fileno(), False
+
+
+class Popen:
+    """`subprocess.Popen` for ``[sys.executable, script, *args]`` through the fork server (a plain subprocess where
+    it cannot): ``stdout`` and ``stderr`` may be None, DEVNULL, a file or (stderr) STDOUT; no pipes."""
+
+    def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None, stdin=subprocess.DEVNULL,
+                 start_new_session=False):  # fmt: skip
+        cmd = [str(c) for c in cmd]
+        env = dict(os.environ if env is None else env)
+        self.args, self.returncode = cmd, None
+        if subprocess.PIPE in (stdout, stderr, stdin) or not _Server.get().accepts(cmd, cwd, env):
+            self._proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, stdin=stdin,
+                                          start_new_session=start_new_session)  # fmt: skip
+            self.pid = self._proc.pid
+            return
+        self._proc = None
+        out, close_out = _fd(stdout, 1)
+        err, close_err = (out, False) if stderr == subprocess.STDOUT else _fd(stderr, 2)
+        inp, close_in = _fd(stdin, 0)
+        body = json.dumps({"argv": cmd[1:], "cwd": str(cwd or os.getcwd()), "env": env,
+                           "new_session": start_new_session}).encode()  # fmt: skip
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(str(_Server.get().path))
+        socket.send_fds(self._sock, [HEADER.pack(len(body))], [inp, out, err])
+        self._sock.sendall(body)
+        for fd, close in ((out, close_out), (err, close_err), (inp, close_in)):
+            if close:
+                os.close(fd)
+        self._reader = self._sock.makefile("r")
+        self.pid = json.loads(self._reader.readline())["pid"]
+
+    def poll(self):
+        if self._proc is not None:
+            self.returncode = self._proc.poll()
+        elif self.returncode is None:
+            self._read_status(0)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self._proc is not None:
+            self.returncode = self._proc.wait(timeout)
+        elif self.returncode is None and not self._read_status(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def _read_status(self, timeout) -> bool:
+        """Read the exit status the server sends when the child ends (waiting up to ``timeout``); whether it came."""
+        import select
+
+        if not select.select([self._sock], [], [], timeout)[0]:
+            return False
+        self.returncode = json.loads(self._reader.readline())["returncode"]
+        self._reader.close()
+        self._sock.close()
+        return True
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+
+def run(cmd, cwd=None, env=None, capture_output=False, text=False, timeout=None, check=False, stdout=None,
+        stderr=None) -> subprocess.CompletedProcess:  # fmt: skip
+    """`subprocess.run` for ``[sys.executable, script, *args]`` through the fork server (see `Popen`)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        if capture_output:
+            stdout, stderr = out, err
+        proc = Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        captured = []
+        for f in (out, err):
+            f.seek(0)
+            data = f.read()
+            captured.append(data.decode(errors="replace") if text else data)
+    result = subprocess.CompletedProcess(proc.args, code, *(captured if capture_output else (None, None)))
+    if check:
+        result.check_returncode()
+    return result
+
+
+def torchrun(script_and_args, nproc: int = 2, cwd=None, env=None, timeout=None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node N script args`` on this machine as the test of a feature sees it, its ranks forked
+    by the server: each rank's environment is what torchrun's static rendezvous gives its workers (RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*, OMP_NUM_THREADS=1), their output captured together; when a rank
+    fails the others are stopped and its exit code returned, as torchrun does. Tests of the launcher itself (its
+    failure handling, signals) run the real torchrun (`trl_ext.launch.command.torchrun_command`)."""
+    import signal
+    import time
+
+    from trl_ext.launch.command import free_port
+
+    base, port = dict(os.environ if env is None else env), str(free_port())
+    base.setdefault(THREADS_ENV, "1")  # torchrun's default for several processes
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        ranks = []
+        for rank in range(nproc):
+            rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                        "ROLE_NAME": "default", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                        "ROLE_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": port, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                        "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False"}  # fmt: skip
+            ranks.append(Popen([sys.executable, *map(str, script_and_args)], cwd=cwd, env=rank_env, stdout=out,
+                               stderr=err))  # fmt: skip
+        deadline, code = None if timeout is None else time.time() + timeout, None
+        while code is None:
+            codes = [r.poll() for r in ranks]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or all(c == 0 for c in codes):
+                code = failed[0] if failed else 0
+            elif deadline is not None and time.time() > deadline:
+                code = "timeout"
+            else:
+                time.sleep(0.1)
+        for r in ranks:  # a failed or timed-out launch: stop the other ranks, as torchrun's agent does
+            r.send_signal(signal.SIGTERM if code != "timeout" else signal.SIGKILL)
+        for r in ranks:
+            try:
+                r.wait(30)
+            except subprocess.TimeoutExpired:
+                r.kill()
+                r.wait()
+        if code == "timeout":
+            raise subprocess.TimeoutExpired(script_and_args, timeout)
+        captured = []
+        for f in (out, err):
+            f.seek(0)
+            captured.append(f.read().decode(errors="replace"))
+    return subprocess.CompletedProcess(script_and_args, code, *captured)
+
+
+# --- the server ---------------------------------------------------------------------------------------------------
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
+def _child(conn: socket.socket, fds: list[int], request: dict, closing: list[int]) -> None:
+    """In the forked child: take the caller's streams, directory and environment, run the script, exit."""
+    import atexit
+    import runpy
+    import signal
+    import traceback
+
+    code = 1
+    try:
+        for fd in closing:
+            os.close(fd)
+        conn.close()
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in set(fds):
+            if fd > 2:
+                os.close(fd)
+        if request["new_session"]:
+            os.setsid()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if THREADS_ENV in request["env"]:
+            import torch
+
+            torch.set_num_threads(int(request["env"][THREADS_ENV]))
+        script = os.path.abspath(request["argv"][0])
+        sys.argv = request["argv"]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - the child reports as the interpreter would, then exits
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            threading._shutdown()  # as the interpreter at exit: join the non-daemon threads, then atexit
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve(path: str) -> None:
+    """Import the entry points' modules, print "ready", then fork one child per request until stdin closes."""
+    import importlib
+    import selectors
+    import signal
+
+    sys.path[0] = str(ROOT)  # not tests/: a child's path is a plain ``python script``'s
+    for name in PRELOAD:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sel = selectors.DefaultSelector()
+    for f in (listener, wake_r, sys.stdin):
+        sel.register(f, selectors.EVENT_READ)
+    waiting: dict[int, socket.socket] = {}
+    print("ready", flush=True)
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is sys.stdin:  # the test process ended
+                return
+            if key.fileobj is wake_r:
+                os.read(wake_r, 4096)
+            else:
+                conn, _ = listener.accept()
+                header, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
+                request = json.loads(_recv_exact(conn, HEADER.unpack(header)[0]))
+                pid = os.fork()
+                if pid == 0:
+                    _child(conn, fds, request, [listener.fileno(), wake_r, wake_w, *(c.fileno() for c in waiting.values())])
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                waiting[pid] = conn
+        while waiting:  # reap every finished child, tell its caller
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                except OSError:  # the caller gave up waiting
+                    pass
+                conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
