@@ -73,3 +73,38 @@ def fsdp_steps(tmp_path_factory):
     from test_fsdp_features import run_fsdp_steps
 
     return run_fsdp_steps(tmp_path_factory.mktemp("fsdp_steps"))
+
+
+LONGEST_FIRST = {
+    "test_resume_e2e.py::test_sweep_resumes_a_killed_child": 81,
+    "test_sweep.py::test_grid_on_builtin_with_one_failure": 74,
+    "test_fsdp_matrix.py::test_every_cell_on_two_fsdp2_processes": 63,
+    "test_sweep_shards.py::test_two_process_runs_end_to_end": 57,
+    "test_procs.py::test_torchrun_train_py_is_one_run": 43,
+    "test_matrix.py::test_every_cell_on_two_processes": 41,
+    "test_preemption.py::test_sigterm_two_processes_then_resume_matches_uninterrupted": 37,
+    "test_procs.py::test_a_failing_rank_ends_the_launch": 26,
+    "test_procs.py::test_a_killed_rank_ends_the_launch": 25,
+    "test_offpolicy_study.py::test_parallel_evaluation_equals_the_in_process_one": 23,
+    "test_launch.py::test_torchrun_refused_feature_exits_2_without_a_run": 22,
+    "test_vllm.py::test_resume_k1_engine_loads_the_restored_policy": 131,
+    "test_vllm_matrix.py::test_every_cell_with_vllm": 129,
+    "test_vllm.py::test_sync_takes_effect_at_k0": 122,
+    "test_vllm.py::test_two_processes": 108,
+    "test_vllm.py::test_k1_strict_engine_follows_the_policy": 74,
+    "test_vllm.py::test_vllm_inflight_tokens_carry_their_versions_logprobs": 58,
+    "test_train_cli.py::test_subprocess_exit_code_and_unknown_flag": 16,
+    "test_offpolicy_study.py::test_study_sweeps_plan_the_seed_arms": 11,
+}
+"""Seconds the longest tests took in CI on 2 cores (bench/results/ci_time-6bf3022.log): they start first, so that
+no worker idles at the end of a tier while another finishes a long test (longest processing time first)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Start the longest tests first (`LONGEST_FIRST`); the rest keep their order."""
+
+    def seconds(item) -> float:
+        name = item.nodeid.split("@")[0].rsplit("/", 1)[-1].split("[")[0]
+        return LONGEST_FIRST.get(name, 0)
+
+    items.sort(key=lambda item: -seconds(item))

@@ -51,11 +51,15 @@ def shown_default(default) -> str:
     return str(default.value if hasattr(default, "value") else default)
 
 
+TRAIN_HELP = pytest.mark.xdist_group("train_help")  # the tests reading `train_help` share one worker and its run
+
+
 @pytest.fixture(scope="module")
 def train_help() -> dict[str, dict[str, str]]:
     return sections(run_help("train.py"))
 
 
+@TRAIN_HELP
 def test_train_help_lists_every_project_flag_with_its_default_in_its_feature_group(train_help):
     from trl_ext.config import ExtGRPOConfig, RunArgs
 
@@ -72,6 +76,7 @@ def test_train_help_lists_every_project_flag_with_its_default_in_its_feature_gro
     assert checked > 80  # every feature's flags, not a handful
 
 
+@TRAIN_HELP
 def test_train_help_groups_trl_fields_apart_and_shows_project_defaults(train_help):
     from trl_ext.config import ExtGRPOConfig
 
@@ -85,6 +90,7 @@ def test_train_help_groups_trl_fields_apart_and_shows_project_defaults(train_hel
     assert f"--{dataclasses.fields(ExtGRPOConfig)[0].name}" in "".join(" ".join(g) for g in train_help.values())
 
 
+@TRAIN_HELP
 def test_train_help_keeps_a_percent_sign_of_a_help_string(train_help):
     """A bare % in a help string (datasets' split syntax) used to crash argparse's formatting."""
     text = next(g["--dataset_split"] for g in train_help.values() if "--dataset_split" in g)
@@ -107,6 +113,7 @@ def test_other_clis_help_lists_every_flag_with_its_default(script, module, cls):
             assert f"(default: {shown_default(default)})" in flags[f"--{f.name}"], (f.name, flags[f"--{f.name}"])
 
 
+@TRAIN_HELP
 def test_train_help_keeps_transformers_own_escaped_percent(train_help):
     """transformers writes '~20%%' (escaped already): shown as '~20%', not as argparse's parameter dict."""
     text = next(g["--activation_checkpointing"] for g in train_help.values() if "--activation_checkpointing" in g)

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import zygote
 
-from trl_ext.launch.command import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.vllm
@@ -25,8 +25,12 @@ LAG0_BOUND = 1e-5
 def train(out: Path, *flags: str, procs: int = 1, script: list[str] | None = None) -> tuple[Path, list[dict], str]:
     """One run; (its directory, its logged training steps, train.log)."""
     argv = ["train.py", "--output_dir", str(out), *SMALL, *flags]
-    cmd = script or (torchrun_command(argv, procs) if procs > 1 else [sys.executable, *argv])
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if script:
+        proc = subprocess.run(script, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    elif procs > 1:  # torchrun's ranks, forked with its environment (tests/zygote.py)
+        proc = zygote.torchrun(argv, nproc=procs, cwd=ROOT, timeout=600)
+    else:
+        proc = zygote.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = out.iterdir()
     (ckpt,) = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1:]
@@ -43,18 +47,14 @@ def test_vllm_is_installed():
 
 def test_sync_takes_effect_at_k0(tmp_path):
     """TRL's colocate engine with the project's weight sync: the gap between vLLM's sampling log-probs and the
-    trainer's stays at float error while the policy moves (lr 3e-3); with the sync switched off it grows."""
+    trainer's stays at float error while the policy moves (lr 3e-3). With the sync switched off the gap opens above
+    1e-3 from step 2 on: the sabotage suite's row `vllm_sync_k0` (tests/sabotage/) runs this test so and requires it
+    to fail."""
     flags = ["--reward", "happy_binary", "--use_vllm", "--lr", "3e-3", "--max_steps", "3", "--save_steps", "3"]
     _, logs, log = train(tmp_path / "on", *flags)
     gap = [r["sampling/sampling_logp_difference/mean"] for r in logs]
     assert len(gap) == 3 and max(gap) < LAG0_BOUND, gap
     assert "vLLM generation: TRL's colocate engine (float32)" in log
-    off = ("import sys, trl_ext.vllm.trainer as t; from trl_ext.cli_train import main; "
-           "t.sync_colocate = lambda generation, model: None; sys.exit(main(sys.argv[1:]))")  # fmt: skip
-    argv = ["--output_dir", str(tmp_path / "off"), *SMALL, *flags]
-    _, logs_off, _ = train(tmp_path / "off", *flags, script=[sys.executable, "-c", off, *argv])
-    gap_off = [r["sampling/sampling_logp_difference/mean"] for r in logs_off]
-    assert gap_off[0] < LAG0_BOUND and gap_off[-1] > 100 * LAG0_BOUND, gap_off  # stale engine: the gap opens
 
 
 def test_k1_strict_engine_follows_the_policy(tmp_path):
