@@ -317,6 +317,16 @@ def serve(path: str) -> None:
         sel.register(f, selectors.EVENT_READ)
     waiting: dict[int, socket.socket] = {}
     print("ready", flush=True)
+    try:
+        _loop(sel, listener, wake_r, wake_w, waiting)
+    finally:  # the test process ended: leave nothing behind in the temporary directory
+        listener.close()
+        os.unlink(path)
+        os.rmdir(os.path.dirname(path))
+
+
+def _loop(sel, listener: socket.socket, wake_r: int, wake_w: int, waiting: dict[int, socket.socket]) -> None:
+    """Serve until stdin closes: fork a child per request, tell each caller its child's pid and then its exit code."""
     while True:
         for key, _ in sel.select():
             if key.fileobj is sys.stdin:  # the test process ended
@@ -329,7 +339,8 @@ def serve(path: str) -> None:
                 request = json.loads(_recv_exact(conn, HEADER.unpack(header)[0]))
                 pid = os.fork()
                 if pid == 0:
-                    _child(conn, fds, request, [listener.fileno(), wake_r, wake_w, *(c.fileno() for c in waiting.values())])
+                    server_fds = [listener.fileno(), wake_r, wake_w, *(c.fileno() for c in waiting.values())]
+                    _child(conn, fds, request, server_fds)
                 for fd in fds:
                     os.close(fd)
                 conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
