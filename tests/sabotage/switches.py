@@ -72,6 +72,28 @@ def importance_without(doc: str, **off: float):
     return replacement
 
 
+def does_nothing(doc: str):
+    """A replacement whose callable returns None whatever it is given (a sync, a load, a restore, a check that does
+    nothing); ``doc`` says what that switches off."""
+
+    def replacement(orig):
+        def nothing(*args, **kwargs):
+            return None
+
+        return nothing
+
+    replacement.__doc__ = doc
+    return replacement
+
+
+noop_sync = does_nothing("sync_colocate does nothing (TRL's colocate engine keeps the starting weights).")
+noop_engine_load = does_nothing(
+    "VLLMEngine.load does nothing (the generator's engine keeps the weights it started from).")
+rng_not_restored = does_nothing(
+    "Trainer._load_rng_state (transformers) does nothing: a resumed run keeps the RNG state of its fresh start.")
+numeric_fault_ignored = does_nothing(
+    "CheckpointMixin.numeric_fault does nothing: a NaN / inf loss or gradient norm trains on.")
+
 def load_without_copy(orig):
     """RolloutWorker._load takes the published snapshot and records its version but never copies the weights into
     the generator's model (the generator keeps sampling with its starting weights)."""
@@ -92,24 +114,6 @@ def refresh_once(orig):
             orig(self)
 
     return _refresh_weights
-
-
-def noop_sync(orig):
-    """sync_colocate does nothing (TRL's colocate engine keeps the starting weights)."""
-
-    def sync_colocate(generation, model):
-        return None
-
-    return sync_colocate
-
-
-def noop_engine_load(orig):
-    """VLLMEngine.load does nothing (the generator's engine keeps the weights it started from)."""
-
-    def load(self, model):
-        return None
-
-    return load
 
 
 def gather_nothing_for_publishes(orig):
@@ -244,15 +248,6 @@ def loss_mask_ignores_tool_mask(orig):
     return loss_mask
 
 
-def rng_not_restored(orig):
-    """Trainer._load_rng_state (transformers) does nothing: a resumed run keeps the RNG state of its fresh start."""
-
-    def _load_rng_state(self, checkpoint):
-        return None
-
-    return _load_rng_state
-
-
 def batches_not_skipped(orig):
     """skip_first_batches (transformers.trainer's) skips nothing: a resumed run starts the data order over."""
 
@@ -314,15 +309,6 @@ def marker_first(orig):
         return orig(self, model, trial, *args, **kwargs)
 
     return _save_checkpoint
-
-
-def numeric_fault_ignored(orig):
-    """CheckpointMixin.numeric_fault does nothing: a NaN / inf loss or gradient norm trains on."""
-
-    def numeric_fault(self, what):
-        return None
-
-    return numeric_fault
 
 
 # ------------------------------------------------------------------------------------------ the table
