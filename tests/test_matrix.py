@@ -1,9 +1,9 @@
 """The combination matrix (every extension on every task): {full, PEFT LoRA, routed dual LoRA} x {k = 0, k = 1 strict,
 k = 1 in-flight} x {story reward, single-turn env, multi-turn env} x {distillation off, on}. Every cell either runs 2
 steps on the builtin models and keeps its invariants, or is rejected at parse time (exit 2) with a stated reason.
-All 54 cells run in-process through train.py's ``main`` (about 2 minutes on 2 cores): ``uv run pytest -m slow
-tests/test_matrix.py``. The other columns (2 processes here, FSDP2 and vLLM in their own files) run a pairwise design
-of 9 cells each (`column_cells`: every level of every factor meets every level of every other factor in some cell, and
+The one-process column runs in-process through train.py's ``main`` a strength-3 design of 27 cells (`triple_cells`:
+any three factors meet in every combination of their levels): ``uv run pytest -m slow tests/test_matrix.py``. The
+other columns (2 processes here, FSDP2 and vLLM in their own files) run a pairwise design of 9 cells each (`column_cells`: every level of every factor meets every level of every other factor in some cell, and
 each column runs different cells), or all 54 with ``TRL_EXT_FULL_MATRIX=1``; the 2-process column by hand:
 ``uv run torchrun --nproc_per_node 2 tests/test_matrix.py OUT_DIR``.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 
 import pytest
 
@@ -48,10 +49,18 @@ def pairwise_cells(shift: int) -> list[tuple[str, str, str, str]]:
     return [(names[0][a], names[1][(k + shift) % 3], names[2][(t + 2 * shift) % 3], names[3][d]) for a, k, t, d in rows]
 
 
+def triple_cells() -> list[tuple[str, str, str, str]]:
+    """A strength-3 covering design of the matrix in 27 cells (the one-process column): every (adapter, off-policy
+    mode, task), with distillation on where ``a + k + t`` is odd. Any three factors meet in every combination of their
+    levels: the three 3-level ones by construction, and two of them with distillation because the third takes both
+    parities over its three levels (checked by `test_triple_design_covers_every_triple`)."""
+    names = [list(ADAPTERS), list(ASYNC), list(TASKS), list(DISTILL)]
+    return [(names[0][a], names[1][k], names[2][t], names[3][(a + k + t) % 2])
+            for a, k, t in itertools.product(range(3), repeat=3)]  # fmt: skip
+
+
 def column_cells(shift: int) -> list[tuple[str, str, str, str]]:
     """The cells a column of the matrix runs: its pairwise design, or all 54 with ``TRL_EXT_FULL_MATRIX=1``."""
-    import os
-
     return CELLS if os.environ.get(FULL_ENV) == "1" else pairwise_cells(shift)
 
 
@@ -88,8 +97,12 @@ def check_cell(run_dir, adapter: str, k: str, task: str, distill: str, rows: int
         assert None not in ro["teacher_logprob_sum"] and None not in ro["student_logprob_sum"]
 
 
+ONE_PROCESS = CELLS if os.environ.get(FULL_ENV) == "1" else triple_cells()
+"""The one-process column's cells: its strength-3 design, or all 54 with ``TRL_EXT_FULL_MATRIX=1``."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("adapter,k,task,distill", CELLS, ids=["-".join(c) for c in CELLS])
+@pytest.mark.parametrize("adapter,k,task,distill", ONE_PROCESS, ids=["-".join(c) for c in ONE_PROCESS])
 def test_cell(builtin_path, tmp_path, capsys, adapter, k, task, distill):
     argv = cell_argv(adapter, k, task, distill, tmp_path)
     reason = REJECTED.get((adapter, k, task))
@@ -99,6 +112,15 @@ def test_cell(builtin_path, tmp_path, capsys, adapter, k, task, distill):
     assert cli.main(argv) == 0
     (run_dir,) = tmp_path.iterdir()
     check_cell(run_dir, adapter, k, task, distill)
+
+
+def test_triple_design_covers_every_triple():
+    """The one-process column's design meets every combination of levels of any three factors; 27 distinct cells."""
+    cells = triple_cells()
+    levels = [list(ADAPTERS), list(ASYNC), list(TASKS), list(DISTILL)]
+    assert len(set(cells)) == 27 and set(cells) <= set(CELLS)
+    for a, b, c in itertools.combinations(range(4), 3):
+        assert {(x[a], x[b], x[c]) for x in cells} == set(itertools.product(levels[a], levels[b], levels[c]))
 
 
 def test_pairwise_designs_cover_every_pair_and_differ():
@@ -126,16 +148,15 @@ DDP_SHIFT = 0
 
 
 def run_matrix_on_two_processes(script: str, out, label: str, timeout: int, cells) -> None:
-    """``torchrun --nproc_per_node 2 script out`` (a script whose ``__main__`` runs `run_all_cells` on ``cells``): it
+    """``torchrun --nproc_per_node 2 script out`` (a script whose ``__main__`` runs `run_all_cells` on ``cells``), its
+    ranks forked with torchrun's environment (`zygote.torchrun`; the launcher's own tests are tests/test_procs.py): it
     exits 0 and prints one ``[matrix <label>] cell: ok`` line per cell."""
-    import subprocess
     from pathlib import Path
 
-    from trl_ext.launch.command import torchrun_command
+    import zygote
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(torchrun_command([script, str(out)]), capture_output=True, text=True, timeout=timeout,
-                          cwd=root)  # fmt: skip
+    proc = zygote.torchrun([script, str(out)], cwd=root, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     lines = [line for line in proc.stdout.splitlines() if line.startswith(f"[matrix {label}]")]
     assert len(lines) == len(cells) and all(": ok (" in line for line in lines), lines

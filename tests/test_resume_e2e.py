@@ -110,11 +110,18 @@ def test_sigkill_and_resume_matches_uninterrupted(builtin_path, tmp_path, kind):
         assert evals[-2:] == [3, 6]
 
 
-def _train_py_pids(marker: str) -> list[int]:
+def _train_py_pids(marker: str, sweep: int) -> list[int]:
+    """The train.py processes of runs under ``marker`` started by the sweep of pid ``sweep``: by their command line,
+    or (a run forked by the tests' fork server, whose command line is the server's) by the files under ``marker``
+    they hold open."""
     pids = []
     for proc_dir in Path("/proc").iterdir():
         try:
             cmd = (proc_dir / "cmdline").read_bytes().split(b"\0")
+            if any(c.endswith(b"zygote.py") for c in cmd) and proc_dir.name not in ("self", str(sweep)):
+                opened = [os.readlink(fd) for fd in (proc_dir / "fd").iterdir()]
+                if any(f.startswith(marker + "/") for f in opened):
+                    pids.append(int(proc_dir.name))
         except (OSError, ValueError):
             continue
         if any(c.endswith(b"train.py") for c in cmd) and any(marker.encode() in c for c in cmd):
@@ -131,17 +138,17 @@ def test_sweep_resumes_a_killed_child(builtin_path, tmp_path, monkeypatch):
             f"output_dir={out}", "--train_flags", "no_wandb", "--parallel", "1", "--status_every", "600"]
     log = tmp_path / "sweep.log"
     with open(log, "w") as f:
-        sweep = zygote.Popen(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        sweep = zygote.Popen(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, nested=True)
     run_dir = wait_for_checkpoint(out, 2, sweep, log)
-    (pid,) = _train_py_pids(str(out))
+    (pid,) = _train_py_pids(str(out), sweep.pid)
     os.kill(pid, signal.SIGKILL)
     assert sweep.wait(timeout=120) == 1 and "FAILED" in log.read_text()
-    again = zygote.run(argv, cwd=ROOT, capture_output=True, text=True)
+    again = zygote.run(argv, cwd=ROOT, capture_output=True, text=True, nested=True)
     assert again.returncode == 0, again.stdout[-3000:]
     assert f"unfinished run resumes from {run_dir / 'checkpoint-2'}" in again.stdout
     # The reference is the same sweep uninterrupted (a sweep child's thread settings are the sweep's own).
     uninterrupted = [a.replace(str(out), str(tmp_path / "u")) for a in argv]
-    assert zygote.run(uninterrupted, cwd=ROOT, capture_output=True, text=True).returncode == 0
+    assert zygote.run(uninterrupted, cwd=ROOT, capture_output=True, text=True, nested=True).returncode == 0
     ref, resumed = history(next(p for p in (tmp_path / "u").iterdir() if p.name == run_dir.name)), history(run_dir)
     assert sorted(resumed) == list(range(1, 7))
     for step in range(1, 7):

@@ -234,7 +234,8 @@ def test_grid_on_builtin_with_one_failure(builtin_path, tmp_path):
             "logging_steps=1", "save_steps=2", f"output_dir={tmp_path}", "--train_flags", "no_wandb",
             "--parallel", "2", "--status_every", "5"]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # CPU slots (--parallel), whatever the caller exported
-    first = zygote.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+    first = zygote.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env,
+                       nested=True)  # the runs forked by the server too
     assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]
     (sweep_dir,) = (tmp_path / "sweeps").iterdir()
     rows = json.loads((sweep_dir / "summary.json").read_text())
@@ -249,7 +250,8 @@ def test_grid_on_builtin_with_one_failure(builtin_path, tmp_path):
     assert "FAILED" in first.stdout
     assert (sweep_dir / "summary.csv").is_file() and (sweep_dir / "reward_curves.png").is_file()
 
-    again = zygote.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+    again = zygote.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env,
+                       nested=True)
     assert again.returncode == 1
     assert again.stdout.count("[sweep] start: ") == 1 and "start: prompt_length=40 num_prompts=5000" in again.stdout
     rows = json.loads((sweep_dir / "summary.json").read_text())

@@ -214,7 +214,8 @@ def test_two_process_runs_end_to_end(builtin_path, tmp_path):
             "num_generations=2", "max_completion_length=8", f"output_dir={tmp_path}", "--train_flags", "no_wandb",
             "--procs_per_run", "2", "--status_every", "10"]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    first = zygote.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+    first = zygote.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env,
+                       nested=True)  # the runs forked by the server too
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     (sweep_dir,) = (tmp_path / "sweeps").iterdir()
     rows = json.loads((sweep_dir / "summary.json").read_text())
@@ -225,7 +226,8 @@ def test_two_process_runs_end_to_end(builtin_path, tmp_path):
         assert json.loads((tmp_path / name / "run_summary.json").read_text())["status"] == "done"
         assert "processes: 2 (gloo backend, DDP)" in (tmp_path / name / "train.log").read_text()
         assert "torch.distributed.run --nproc_per_node 2 --master_port" in (sweep_dir / "logs" / f"{name}.log").read_text()
-    again = zygote.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+    again = zygote.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env,
+                       nested=True)
     assert again.returncode == 0 and again.stdout.count("skip (done earlier)") == 2 and "[sweep] start" not in again.stdout
 
 

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import zygote
 
 import trl_ext.cli_train as cli
 
@@ -79,10 +80,12 @@ def test_model_path_missing(train_cli_error, tmp_path):
 
 
 def test_subprocess_exit_code_and_unknown_flag():
-    """The real CLI: exit code 2 for a config error and for an unknown flag (argparse)."""
+    """The real CLI: exit code 2 for a config error (a real interpreter start) and for an unknown flag (argparse; a
+    process forked by the tests' fork server)."""
     bad = subprocess.run([sys.executable, "train.py", "--reward", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("train.py: error: unknown reward")
-    flag = subprocess.run([sys.executable, "train.py", "--reward", "happy_binary", "--no_such_flag", "1"], cwd=ROOT, capture_output=True, text=True)
+    flag = zygote.run([sys.executable, "train.py", "--reward", "happy_binary", "--no_such_flag", "1"], cwd=ROOT,
+                      capture_output=True, text=True)  # fmt: skip
     assert flag.returncode == 2 and flag.stderr.strip() == (
         "train.py: error: unknown arguments: --no_such_flag 1 (see train.py --help)"
     )

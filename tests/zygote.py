@@ -25,19 +25,26 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRELOAD = ("trl_ext.cli_train", "trl_ext.launch.processes", "trl_ext.trainer", "trl_ext.evaluate")
+PRELOAD = ("trl_ext.cli_train", "trl_ext.launch.processes", "trl_ext.trainer", "trl_ext.evaluate", "trl_ext.sweep")
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "DATASETS", "TORCH_", "PYTORCH", "CUDA",
                    "NCCL", "OMP_", "MKL_", "OPENBLAS", "KMP_", "GOMP", "PYTHON", "LD_", "ACCELERATE", "VLLM",
                    "TRL_EXT_SABOTAGE", "WANDB_")
 """Variables some module may read once, when imported: a run whose environment differs from the server's in one of
 them starts as a plain subprocess (wandb's are here because wandb reads its settings when set up in a process).
-``OMP_NUM_THREADS`` is the exception: the child applies it (``torch.set_num_threads``), as OpenMP would at start."""
-THREADS_ENV = "OMP_NUM_THREADS"
+The thread counts (`THREADS_ENV`) are the exception: the child applies them (``torch.set_num_threads``, which sets
+OpenMP's and MKL's), as the libraries would at start."""
+THREADS_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 HEADER = struct.Struct("!Q")
 
 
 def _sensitive(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k != THREADS_ENV}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in THREADS_ENV}
+
+
+def _threads(env: dict[str, str]) -> str | None:
+    """The thread count a child applies: OMP_NUM_THREADS or MKL_NUM_THREADS (``"mixed"`` when both differ)."""
+    counts = {env[k] for k in THREADS_ENV if k in env}
+    return None if not counts else counts.pop() if len(counts) == 1 else "mixed"
 
 
 class _Server:
@@ -54,9 +61,16 @@ class _Server:
         self.ready = False
 
     @classmethod
+    def client(cls, path: str, env: dict[str, str]) -> _Server:
+        """The server this process was forked by (a `nested` child), as its runs' server."""
+        server = cls.__new__(cls)
+        server.path, server.env, server.proc, server.ready = Path(path), env, None, True
+        return server
+
+    @classmethod
     def get(cls) -> _Server:
         with cls.lock:
-            if cls.instance is None or cls.instance.proc.poll() is not None:
+            if cls.instance is None or (cls.instance.proc is not None and cls.instance.proc.poll() is not None):
                 cls.instance = cls()
             server = cls.instance
             if not server.ready:
@@ -71,7 +85,8 @@ class _Server:
         if len(cmd) < 2 or cmd[0] != sys.executable or not cmd[1].endswith(".py"):
             return False
         script = Path(cwd or os.getcwd(), cmd[1]).resolve()
-        return script.is_relative_to(ROOT) and script.is_file() and _sensitive(env) == _sensitive(self.env)
+        return (script.is_relative_to(ROOT) and script.is_file() and _sensitive(env) == _sensitive(self.env)
+                and _threads(env) != "mixed")  # fmt: skip
 
 
 def _fd(stream, default: int) -> tuple[int, bool]:
@@ -87,10 +102,11 @@ def _fd(stream, default: int) -> tuple[int, bool]:
 
 class Popen:
     """`subprocess.Popen` for ``[sys.executable, script, *args]`` through the fork server (a plain subprocess where
-    it cannot): ``stdout`` and ``stderr`` may be None, DEVNULL, a file or (stderr) STDOUT; no pipes."""
+    it cannot): ``stdout`` and ``stderr`` may be None, DEVNULL, a file or (stderr) STDOUT; no pipes. With ``nested``
+    the script's own runs (sweep.py's train.py processes and torchrun launches) are forked by the server too (`_nest`)."""
 
     def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None, stdin=subprocess.DEVNULL,
-                 start_new_session=False):  # fmt: skip
+                 start_new_session=False, nested=False):  # fmt: skip
         cmd = [str(c) for c in cmd]
         env = dict(os.environ if env is None else env)
         self.args, self.returncode = cmd, None
@@ -104,7 +120,7 @@ class Popen:
         err, close_err = (out, False) if stderr == subprocess.STDOUT else _fd(stderr, 2)
         inp, close_in = _fd(stdin, 0)
         body = json.dumps({"argv": cmd[1:], "cwd": str(cwd or os.getcwd()), "env": env,
-                           "new_session": start_new_session}).encode()  # fmt: skip
+                           "new_session": start_new_session, "nested": nested}).encode()  # fmt: skip
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(str(_Server.get().path))
         socket.send_fds(self._sock, [HEADER.pack(len(body))], [inp, out, err])
@@ -156,12 +172,12 @@ class Popen:
 
 
 def run(cmd, cwd=None, env=None, capture_output=False, text=False, timeout=None, check=False, stdout=None,
-        stderr=None) -> subprocess.CompletedProcess:  # fmt: skip
+        stderr=None, nested=False) -> subprocess.CompletedProcess:  # fmt: skip
     """`subprocess.run` for ``[sys.executable, script, *args]`` through the fork server (see `Popen`)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         if capture_output:
             stdout, stderr = out, err
-        proc = Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
+        proc = Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, nested=nested)
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -179,54 +195,104 @@ def run(cmd, cwd=None, env=None, capture_output=False, text=False, timeout=None,
     return result
 
 
-def torchrun(script_and_args, nproc: int = 2, cwd=None, env=None, timeout=None) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node N script args`` on this machine as the test of a feature sees it, its ranks forked
-    by the server: each rank's environment is what torchrun's static rendezvous gives its workers (RANK, LOCAL_RANK,
-    WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*, OMP_NUM_THREADS=1), their output captured together; when a rank
-    fails the others are stopped and its exit code returned, as torchrun does. Tests of the launcher itself (its
-    failure handling, signals) run the real torchrun (`trl_ext.launch.command.torchrun_command`)."""
-    import signal
-    import time
+class Ranks:
+    """``torchrun --nproc_per_node N script args`` on this machine as the test of a feature sees it, as a `Popen`-like
+    handle: each rank forked by the server with the environment torchrun's static rendezvous gives its workers (RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*, OMP_NUM_THREADS=1); when a rank fails the others are
+    stopped and its exit code is the launch's, and a signal to the launch goes to every rank, as torchrun's agent
+    does. Tests of the launcher itself (its failure handling, signals) run the real torchrun
+    (`trl_ext.launch.command.torchrun_command`)."""
 
-    from trl_ext.launch.command import free_port
+    def __init__(self, script_and_args, nproc: int = 2, cwd=None, env=None, stdout=None, stderr=None,
+                 port: int | None = None) -> None:  # fmt: skip
+        from trl_ext.launch.command import free_port
 
-    base, port = dict(os.environ if env is None else env), str(free_port())
-    base.setdefault(THREADS_ENV, "1")  # torchrun's default for several processes
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        ranks = []
+        self.args, self.returncode = [str(a) for a in script_and_args], None
+        base, port = dict(os.environ if env is None else env), str(port or free_port())
+        base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes
+        self.ranks = []
         for rank in range(nproc):
             rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
                         "ROLE_NAME": "default", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
                         "ROLE_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": port, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                         "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False"}  # fmt: skip
-            ranks.append(Popen([sys.executable, *map(str, script_and_args)], cwd=cwd, env=rank_env, stdout=out,
-                               stderr=err))  # fmt: skip
-        deadline, code = None if timeout is None else time.time() + timeout, None
-        while code is None:
-            codes = [r.poll() for r in ranks]
+            self.ranks.append(Popen([sys.executable, *self.args], cwd=cwd, env=rank_env, stdout=stdout,
+                                    stderr=stderr))  # fmt: skip
+        self.pid = self.ranks[0].pid
+
+    def poll(self):
+        if self.returncode is None:
+            codes = [r.poll() for r in self.ranks]
             failed = [c for c in codes if c not in (None, 0)]
-            if failed or all(c == 0 for c in codes):
-                code = failed[0] if failed else 0
-            elif deadline is not None and time.time() > deadline:
-                code = "timeout"
-            else:
-                time.sleep(0.1)
-        for r in ranks:  # a failed or timed-out launch: stop the other ranks, as torchrun's agent does
-            r.send_signal(signal.SIGTERM if code != "timeout" else signal.SIGKILL)
-        for r in ranks:
+            if failed:  # stop the other ranks, as torchrun's agent does
+                self._stop()
+                self.returncode = failed[0]
+            elif all(c == 0 for c in codes):
+                self.returncode = 0
+        return self.returncode
+
+    def wait(self, timeout=None):
+        import time
+
+        deadline = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.time() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.1)
+        return self.returncode
+
+    def _stop(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+        for r in self.ranks:
             try:
                 r.wait(30)
             except subprocess.TimeoutExpired:
                 r.kill()
                 r.wait()
-        if code == "timeout":
-            raise subprocess.TimeoutExpired(script_and_args, timeout)
+
+    def send_signal(self, sig: int) -> None:
+        for r in self.ranks:
+            r.send_signal(sig)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+
+def torchrun(script_and_args, nproc: int = 2, cwd=None, env=None, timeout=None) -> subprocess.CompletedProcess:
+    """`Ranks` run to their end, their output captured together (`subprocess.run` of torchrun)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        launch = Ranks(script_and_args, nproc, cwd=cwd, env=env, stdout=out, stderr=err)
+        try:
+            code = launch.wait(timeout)
+        except subprocess.TimeoutExpired:
+            launch.kill()
+            for r in launch.ranks:
+                r.wait()
+            raise
         captured = []
         for f in (out, err):
             f.seek(0)
             captured.append(f.read().decode(errors="replace"))
     return subprocess.CompletedProcess(script_and_args, code, *captured)
+
+
+def _launch(cmd, stdout=None, stderr=None, env=None, cwd=None, **kwargs):
+    """`subprocess.Popen` in a `nested` child: ``python -m torch.distributed.run --nproc_per_node N --master_port P
+    script args`` as forked `Ranks`; anything else as `Popen` (the server's fork where it can)."""
+    cmd = [str(c) for c in cmd]
+    if cmd[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", cmd[4]] and cmd[5] == "--master_port":
+        return Ranks(cmd[7:], int(cmd[4]), cwd=cwd, env=env, stdout=stdout, stderr=stderr, port=int(cmd[6]))
+    return Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, **kwargs)
 
 
 # --- the server ---------------------------------------------------------------------------------------------------
@@ -240,6 +306,21 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
             raise EOFError
         data += chunk
     return data
+
+
+_SERVING: tuple[str, dict[str, str]] | None = None
+"""In the server and its children: (the server's socket, its environment)."""
+
+
+def _nest() -> None:
+    """In a child started with ``nested``: sweep.py's runs (``trl_ext.sweep``'s ``subprocess.Popen``) go through the
+    server that forked this child (`_launch`), each still a process of its own with the sweep's environment."""
+    import types
+
+    import trl_ext.sweep as sweep
+
+    _Server.instance = _Server.client(*_SERVING)
+    sweep.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": _launch})
 
 
 def _child(conn: socket.socket, fds: list[int], request: dict, closing: list[int]) -> None:
@@ -268,10 +349,12 @@ def _child(conn: socket.socket, fds: list[int], request: dict, closing: list[int
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        if THREADS_ENV in request["env"]:
+        if _threads(request["env"]) is not None:
             import torch
 
-            torch.set_num_threads(int(request["env"][THREADS_ENV]))
+            torch.set_num_threads(int(_threads(request["env"])))
+        if request.get("nested"):
+            _nest()
         script = os.path.abspath(request["argv"][0])
         sys.argv = request["argv"]
         sys.path[0] = os.path.dirname(script)
@@ -302,6 +385,8 @@ def serve(path: str) -> None:
     import selectors
     import signal
 
+    global _SERVING
+    _SERVING = (path, dict(os.environ))
     sys.path[0] = str(ROOT)  # not tests/: a child's path is a plain ``python script``'s
     for name in PRELOAD:
         importlib.import_module(name)
