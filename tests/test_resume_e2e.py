@@ -118,7 +118,7 @@ def _train_py_pids(marker: str, sweep: int) -> list[int]:
     for proc_dir in Path("/proc").iterdir():
         try:
             cmd = (proc_dir / "cmdline").read_bytes().split(b"\0")
-            if any(c.endswith(b"zygote.py") for c in cmd) and proc_dir.name not in ("self", str(sweep)):
+            if any(c.endswith(b"zygote_server.py") for c in cmd) and proc_dir.name not in ("self", str(sweep)):
                 opened = [os.readlink(fd) for fd in (proc_dir / "fd").iterdir()]
                 if any(f.startswith(marker + "/") for f in opened):
                     pids.append(int(proc_dir.name))

@@ -87,10 +87,10 @@ def test_story_prefix_cuts_the_original_text(tok):
 
 
 def test_story_prefix_fails_loudly_when_prefix_does_not_retokenize():
-    class LengthDependentTokenizer:  # id of every word depends on the whole text's length
-        def __call__(self, text, add_special_tokens, return_offsets_mapping=False):
-            spans = [m.span() for m in re.finditer(r"\S+", text)]
-            out = {"input_ids": [len(text)] * len(spans)}
+    class LengthDependentTokenizer:  # id of every word depends on the whole text's length; a batch as HF's
+        def __call__(self, texts, add_special_tokens, return_offsets_mapping=False):
+            spans = [[m.span() for m in re.finditer(r"\S+", text)] for text in texts]
+            out = {"input_ids": [[len(text)] * len(s) for text, s in zip(texts, spans)]}
             if return_offsets_mapping:
                 out["offset_mapping"] = spans
             return out

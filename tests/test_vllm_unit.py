@@ -160,6 +160,8 @@ def test_stop_sequences_cut_rows_across_chunks():
     (True, ["--use_vllm", "--max_async_level", "1", "--strict_async_level", "--vllm_inflight_tokens", "4"],
      "--vllm_inflight_tokens is used only with"),
     (True, ["--use_vllm", "--max_async_level", "1", "--vllm_inflight_tokens", "0"], "must be >= 1"),
+    (True, ["--vllm_enforce_eager"], "--vllm_enforce_eager is used only with --use_vllm"),
+    (True, ["--use_vllm", "--vllm_mode", "server", "--vllm_enforce_eager"], "the server's own setting holds"),
     (True, ["--use_vllm", "--gradient_routing", "--routing_mode", "shared", "--adapter_type", "mlp", "--mlp_config",
             "m16"], "MLP adapters"),
 ])  # fmt: skip

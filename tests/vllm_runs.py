@@ -23,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SMALL = ["--batch_size", "16", "--num_generations", "8", "--max_completion_length", "32", "--logging_steps", "1",
          "--no_wandb"]  # fmt: skip
+EAGER = ["--vllm_enforce_eager"]
+"""The one-process runs' engines skip vLLM's compilation (~25 s of CPU per engine start); the two-process runs keep
+vLLM's own settings (compiled), so the default path runs at k = 0 and at k = 1."""
 CELL_BATCH = ["--batch_size", "8", "--num_generations", "4", "--max_completion_length", "16"]
 """The matrix's story cells' batch (tests/test_matrix.py): a run with it shares their k = 0 engine (TRL sizes the engine
 by the batch)."""
@@ -59,10 +62,11 @@ def argv_of(name: str, out: Path, processes: int) -> list[str]:
     if name.startswith("cell:"):
         from test_matrix import cell_argv
 
-        return cell_argv(*name.removeprefix("cell:").split("-"), out, processes=processes, extra=("--use_vllm",))
+        return cell_argv(*name.removeprefix("cell:").split("-"), out, processes=processes,
+                         extra=("--use_vllm", *EAGER))  # fmt: skip
     if name == "resume_continue":
         out = out.parent / "resume_full"  # the same output directory: the run resumes its own checkpoint
-    return ["--output_dir", str(out), *SMALL, *RUNS[name]]
+    return ["--output_dir", str(out), *SMALL, *RUNS[name], *([] if name.startswith("x2_") else EAGER)]
 
 
 def run_one(name: str, out: Path, processes: int) -> dict:

@@ -9,7 +9,7 @@ as the interpreter would (non-daemon threads joined, atexit handlers run). A com
 way goes to `subprocess` unchanged: another program, a pipe, or an environment that differs from the server's in a
 variable some module reads once at import (``HF_*``, ``CUDA_*``, ``OMP_*``, ``PYTHON*``, ...).
 
-The server is this file run as a script: ``python tests/zygote.py SOCKET``.
+The server is tests/zygote_server.py, run as a script: ``python tests/zygote_server.py SOCKET``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SERVER = str(Path(__file__).with_name("zygote_server.py"))
 PRELOAD = ("trl_ext.cli_train", "trl_ext.launch.processes", "trl_ext.trainer", "trl_ext.evaluate", "trl_ext.sweep")
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "DATASETS", "TORCH_", "PYTORCH", "CUDA",
                    "NCCL", "OMP_", "MKL_", "OPENBLAS", "KMP_", "GOMP", "PYTHON", "LD_", "ACCELERATE", "VLLM",
@@ -56,7 +57,7 @@ class _Server:
     def __init__(self) -> None:
         self.path = Path(tempfile.mkdtemp(prefix="zygote-")) / "socket"
         self.env = dict(os.environ)
-        self.proc = subprocess.Popen([sys.executable, __file__, str(self.path)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, SERVER, str(self.path)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=self.env, cwd=ROOT)  # fmt: skip
         self.ready = False
 
@@ -100,7 +101,21 @@ def _fd(stream, default: int) -> tuple[int, bool]:
     return stream.fileno(), False
 
 
-class Popen:
+class _Handle:
+    """`kill` and `terminate` of a process handle, through its ``send_signal``."""
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+
+class Popen(_Handle):
     """`subprocess.Popen` for ``[sys.executable, script, *args]`` through the fork server (a plain subprocess where
     it cannot): ``stdout`` and ``stderr`` may be None, DEVNULL, a file or (stderr) STDOUT; no pipes. With ``nested``
     the script's own runs (sweep.py's train.py processes and torchrun launches) are forked by the server too (`_nest`)."""
@@ -160,16 +175,6 @@ class Popen:
         if self.poll() is None:
             os.kill(self.pid, sig)
 
-    def kill(self) -> None:
-        import signal
-
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        import signal
-
-        self.send_signal(signal.SIGTERM)
-
 
 def run(cmd, cwd=None, env=None, capture_output=False, text=False, timeout=None, check=False, stdout=None,
         stderr=None, nested=False) -> subprocess.CompletedProcess:  # fmt: skip
@@ -195,7 +200,7 @@ def run(cmd, cwd=None, env=None, capture_output=False, text=False, timeout=None,
     return result
 
 
-class Ranks:
+class Ranks(_Handle):
     """``torchrun --nproc_per_node N script args`` on this machine as the test of a feature sees it, as a `Popen`-like
     handle: each rank forked by the server with the environment torchrun's static rendezvous gives its workers (RANK,
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*, OMP_NUM_THREADS=1); when a rank fails the others are
@@ -257,16 +262,6 @@ class Ranks:
         for r in self.ranks:
             r.send_signal(sig)
 
-    def kill(self) -> None:
-        import signal
-
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        import signal
-
-        self.send_signal(signal.SIGTERM)
-
 
 def torchrun(script_and_args, nproc: int = 2, cwd=None, env=None, timeout=None) -> subprocess.CompletedProcess:
     """`Ranks` run to their end, their output captured together (`subprocess.run` of torchrun)."""
@@ -286,162 +281,10 @@ def torchrun(script_and_args, nproc: int = 2, cwd=None, env=None, timeout=None) 
     return subprocess.CompletedProcess(script_and_args, code, *captured)
 
 
-def _launch(cmd, stdout=None, stderr=None, env=None, cwd=None, **kwargs):
+def launch(cmd, stdout=None, stderr=None, env=None, cwd=None, **kwargs):
     """`subprocess.Popen` in a `nested` child: ``python -m torch.distributed.run --nproc_per_node N --master_port P
     script args`` as forked `Ranks`; anything else as `Popen` (the server's fork where it can)."""
     cmd = [str(c) for c in cmd]
-    if cmd[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", cmd[4]] and cmd[5] == "--master_port":
+    if len(cmd) > 7 and cmd[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node"] and cmd[5] == "--master_port":
         return Ranks(cmd[7:], int(cmd[4]), cwd=cwd, env=env, stdout=stdout, stderr=stderr, port=int(cmd[6]))
     return Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, **kwargs)
-
-
-# --- the server ---------------------------------------------------------------------------------------------------
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise EOFError
-        data += chunk
-    return data
-
-
-_SERVING: tuple[str, dict[str, str]] | None = None
-"""In the server and its children: (the server's socket, its environment)."""
-
-
-def _nest() -> None:
-    """In a child started with ``nested``: sweep.py's runs (``trl_ext.sweep``'s ``subprocess.Popen``) go through the
-    server that forked this child (`_launch`), each still a process of its own with the sweep's environment."""
-    import types
-
-    import trl_ext.sweep as sweep
-
-    _Server.instance = _Server.client(*_SERVING)
-    sweep.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": _launch})
-
-
-def _child(conn: socket.socket, fds: list[int], request: dict, closing: list[int]) -> None:
-    """In the forked child: take the caller's streams, directory and environment, run the script, exit."""
-    import atexit
-    import runpy
-    import signal
-    import traceback
-
-    code = 1
-    try:
-        for fd in closing:
-            os.close(fd)
-        conn.close()
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-        for fd in set(fds):
-            if fd > 2:
-                os.close(fd)
-        if request["new_session"]:
-            os.setsid()
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        if _threads(request["env"]) is not None:
-            import torch
-
-            torch.set_num_threads(int(_threads(request["env"])))
-        if request.get("nested"):
-            _nest()
-        script = os.path.abspath(request["argv"][0])
-        sys.argv = request["argv"]
-        sys.path[0] = os.path.dirname(script)
-        runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001 - the child reports as the interpreter would, then exits
-        traceback.print_exc()
-        code = 1
-    finally:
-        try:
-            threading._shutdown()  # as the interpreter at exit: join the non-daemon threads, then atexit
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
-def serve(path: str) -> None:
-    """Import the entry points' modules, print "ready", then fork one child per request until stdin closes."""
-    import importlib
-    import selectors
-    import signal
-
-    global _SERVING
-    _SERVING = (path, dict(os.environ))
-    sys.path[0] = str(ROOT)  # not tests/: a child's path is a plain ``python script``'s
-    for name in PRELOAD:
-        importlib.import_module(name)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(64)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    sel = selectors.DefaultSelector()
-    for f in (listener, wake_r, sys.stdin):
-        sel.register(f, selectors.EVENT_READ)
-    waiting: dict[int, socket.socket] = {}
-    print("ready", flush=True)
-    try:
-        _loop(sel, listener, wake_r, wake_w, waiting)
-    finally:  # the test process ended: leave nothing behind in the temporary directory
-        listener.close()
-        os.unlink(path)
-        os.rmdir(os.path.dirname(path))
-
-
-def _loop(sel, listener: socket.socket, wake_r: int, wake_w: int, waiting: dict[int, socket.socket]) -> None:
-    """Serve until stdin closes: fork a child per request, tell each caller its child's pid and then its exit code."""
-    while True:
-        for key, _ in sel.select():
-            if key.fileobj is sys.stdin:  # the test process ended
-                return
-            if key.fileobj is wake_r:
-                os.read(wake_r, 4096)
-            else:
-                conn, _ = listener.accept()
-                header, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
-                request = json.loads(_recv_exact(conn, HEADER.unpack(header)[0]))
-                pid = os.fork()
-                if pid == 0:
-                    server_fds = [listener.fileno(), wake_r, wake_w, *(c.fileno() for c in waiting.values())]
-                    _child(conn, fds, request, server_fds)
-                for fd in fds:
-                    os.close(fd)
-                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-                waiting[pid] = conn
-        while waiting:  # reap every finished child, tell its caller
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            conn = waiting.pop(pid, None)
-            if conn is not None:
-                try:
-                    conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-                except OSError:  # the caller gave up waiting
-                    pass
-                conn.close()
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1])

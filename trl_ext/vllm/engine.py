@@ -80,7 +80,7 @@ class VLLMEngine:
     process's later engines with the same settings (`shared_llm`)."""
 
     def __init__(self, model_path: str, *, dtype: str, max_model_len: int, seed: int, gpu_memory_utilization: float,
-                 trust_remote_code: bool = False, enforce_eager: bool = True) -> None:  # fmt: skip
+                 enforce_eager: bool, trust_remote_code: bool = False) -> None:  # fmt: skip
         from vllm import LLM
 
         cpu_settings()

@@ -29,13 +29,14 @@ def policy_dtype(model) -> str:
 @contextmanager
 def _engine_dtype(trainer):
     """While TRL builds its colocate engine: ``vllm.LLM`` called with the policy's dtype (`policy_dtype`; TRL passes
-    none), shared with the process's later trainers (`trl_ext.vllm.engine.shared_llm`)."""
+    none) and ``--vllm_enforce_eager``, shared with the process's later trainers (`trl_ext.vllm.engine.shared_llm`)."""
     from trl.generation import vllm_generation
 
     llm = vllm_generation.LLM
 
     def build(**kwargs):
         kwargs.setdefault("dtype", policy_dtype(trainer.model))
+        kwargs.setdefault("enforce_eager", trainer.args.vllm_enforce_eager)
         trainer.vllm_dtype = kwargs["dtype"]
         return shared_llm(llm, **kwargs)
 
@@ -99,7 +100,7 @@ class VLLMMixin:
         engine = VLLMEngine(
             base.name_or_path, dtype=policy_dtype(base), max_model_len=max_len,
             seed=args.seed + self.accelerator.process_index, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            trust_remote_code=args.trust_remote_code,
+            trust_remote_code=args.trust_remote_code, enforce_eager=args.vllm_enforce_eager,
         )  # fmt: skip
         inflight = None if args.strict_async_level else args.vllm_inflight_tokens
         return VLLMSampler(model, engine, inflight)
