@@ -117,8 +117,8 @@ def vllm_runs_x2(request, tmp_path_factory, builtin_path):
 
 
 LONGEST_FIRST = {
-    "test_vllm.py::test_resume_k1_engine_loads_the_restored_policy": 94,  # the first reader of `vllm_runs`
-    "test_vllm.py::test_two_processes": 66,  # of `vllm_runs_x2`
+    "test_vllm.py::test_resume_k1_engine_loads_the_restored_policy": 108,  # the first reader of `vllm_runs`
+    "test_vllm.py::test_two_processes": 60,  # of `vllm_runs_x2`
     "test_fsdp_matrix.py::test_every_cell_on_two_fsdp2_processes": 65,
     "test_preemption.py::test_sigterm_two_processes_then_resume_matches_uninterrupted": 47,
     "test_matrix.py::test_every_cell_on_two_processes": 36,

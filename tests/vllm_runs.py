@@ -24,8 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SMALL = ["--batch_size", "16", "--num_generations", "8", "--max_completion_length", "32", "--logging_steps", "1",
          "--no_wandb"]  # fmt: skip
 EAGER = ["--vllm_enforce_eager"]
-"""The one-process runs' engines skip vLLM's compilation (~25 s of CPU per engine start); the two-process runs keep
-vLLM's own settings (compiled), so the default path runs at k = 0 and at k = 1."""
+"""Passed where vLLM's compilation (tens of seconds of CPU per engine start) is not what a run checks. Compiled, as by
+default: the one-process k = 1 runs (`COMPILED`: one engine, shared; the strict run checks that every load reaches
+it) and the two-process run at k = 0."""
+COMPILED = ("resume_full", "k1_strict", "inflight", "resume_continue", "x2_k0_story")
 CELL_BATCH = ["--batch_size", "8", "--num_generations", "4", "--max_completion_length", "16"]
 """The matrix's story cells' batch (tests/test_matrix.py): a run with it shares their k = 0 engine (TRL sizes the engine
 by the batch)."""
@@ -66,7 +68,7 @@ def argv_of(name: str, out: Path, processes: int) -> list[str]:
                          extra=("--use_vllm", *EAGER))  # fmt: skip
     if name == "resume_continue":
         out = out.parent / "resume_full"  # the same output directory: the run resumes its own checkpoint
-    return ["--output_dir", str(out), *SMALL, *RUNS[name], *([] if name.startswith("x2_") else EAGER)]
+    return ["--output_dir", str(out), *SMALL, *RUNS[name], *([] if name in COMPILED else EAGER)]
 
 
 def run_one(name: str, out: Path, processes: int) -> dict:
