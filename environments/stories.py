@@ -217,7 +217,7 @@ def story_prefix(text: str, tokenizer, prompt_length: int) -> str | None:
 
 def story_prefixes(texts: list[str], tokenizer, prompt_length: int) -> list[str | None]:
     """`story_prefix` of each of ``texts``, the tokenizer called once per list (a batch is what makes a fast
-    tokenizer fast: one call per story took a third of a two-step run on the builtin model)."""
+    tokenizer fast)."""
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     prefixes = [text[: offsets[prompt_length - 1][1]] if len(ids) >= prompt_length else None
                 for text, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"], strict=True)]  # fmt: skip

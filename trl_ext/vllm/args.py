@@ -42,8 +42,8 @@ class VLLMArgs:
         default=False,
         metadata={"help": "With --use_vllm: vLLM's enforce_eager for every engine the run starts (TRL's colocate "
                   "engine at --max_async_level 0, the off-policy generator's at >= 1): no torch.compile and no CUDA "
-                  "graphs. The engine starts faster (on 2 CPU cores ~25 s less for the builtin model) and decodes "
-                  "slower on a GPU. Off: vLLM's own compilation settings."},
+                  "graphs. The engine starts faster (on CPU it skips a C++ compile of the model) and decodes slower "
+                  "on a GPU. Off: vLLM's own compilation settings."},
     )  # fmt: skip
 
     def validate_vllm(self) -> None:
