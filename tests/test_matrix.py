@@ -3,8 +3,9 @@ k = 1 in-flight} x {story reward, single-turn env, multi-turn env} x {distillati
 steps on the builtin models and keeps its invariants, or is rejected at parse time (exit 2) with a stated reason.
 The one-process column runs in-process through train.py's ``main`` a strength-3 design of 27 cells (`triple_cells`:
 any three factors meet in every combination of their levels): ``uv run pytest -m slow tests/test_matrix.py``. The
-other columns (2 processes here, FSDP2 and vLLM in their own files) run a pairwise design of 9 cells each (`column_cells`: every level of every factor meets every level of every other factor in some cell, and
-each column runs different cells), or all 54 with ``TRL_EXT_FULL_MATRIX=1``; the 2-process column by hand:
+other columns (2 processes here, FSDP2 and vLLM in their own files) run a pairwise design of 9 cells each
+(`column_cells`: every level of every factor meets every level of every other factor in some cell, and each column
+runs different cells), or all 54 with ``TRL_EXT_FULL_MATRIX=1``; the 2-process column by hand:
 ``uv run torchrun --nproc_per_node 2 tests/test_matrix.py OUT_DIR``.
 """
 

@@ -77,8 +77,9 @@ def test_k1_strict_engine_follows_the_policy(vllm_runs):
 def test_vllm_inflight_tokens_carry_their_versions_logprobs(builtin_path, vllm_runs):
     """Non-strict k = 1, --vllm_inflight_tokens 4, lr 3e-4: each batch n >= 1 switched from policy n - 1 to n at its
     second chunk (tests/test_offpolicy_trainer.py's `InflightRecorder`, patched into train.py's main by
-    tests/vllm_runs.py; it also keeps every published policy). Every token's vLLM log-prob is its stamped policy's, teacher-forced over its whole prefix
-    (the engine re-encodes the prefix after a load), and far from the other policy's (so a wrong stamp shows)."""
+    tests/vllm_runs.py; it also keeps every published policy). Every token's vLLM log-prob is its stamped policy's,
+    teacher-forced over its whole prefix (the engine re-encodes the prefix after a load), and far from the other
+    policy's (so a wrong stamp shows)."""
     import torch
     from test_offpolicy_trainer import forced_logprobs
     from transformers import AutoModelForCausalLM

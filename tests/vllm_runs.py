@@ -2,8 +2,8 @@
 two-process runs) runs the named runs one after another through train.py's ``main``, so each engine (one per model
 and settings) starts once and later runs reuse it (`trl_ext.vllm.engine.shared_llm`; an engine start is most of a
 short run: bench/results/durations-vllm.log). Each run writes ``OUT/NAME/`` (its run directory, and ``status.json``:
-exit code, seconds, the traceback of an exception); the tests (tests/test_vllm.py, tests/test_vllm_matrix.py) read them through the
-session fixtures `vllm_runs` and `vllm_runs_x2`, which run only the runs the selected tests name.
+exit code, seconds, the traceback of an exception); the tests (tests/test_vllm.py, tests/test_vllm_matrix.py) read
+them through the session fixtures `vllm_runs` and `vllm_runs_x2`, which run only the runs the selected tests name.
 
 A reused engine must not let a missing load pass: every run loads its own policy before its first generation, and
 the resume's continuation (``resume_continue``) runs after the other k >= 1 runs, so an engine that skipped loading the

@@ -118,7 +118,8 @@ class _Handle:
 class Popen(_Handle):
     """`subprocess.Popen` for ``[sys.executable, script, *args]`` through the fork server (a plain subprocess where
     it cannot): ``stdout`` and ``stderr`` may be None, DEVNULL, a file or (stderr) STDOUT; no pipes. With ``nested``
-    the script's own runs (sweep.py's train.py processes and torchrun launches) are forked by the server too (`_nest`)."""
+    the script's own runs (sweep.py's train.py processes and torchrun launches) are forked by the server too
+    (``zygote_server._nest``)."""
 
     def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None, stdin=subprocess.DEVNULL,
                  start_new_session=False, nested=False):  # fmt: skip
