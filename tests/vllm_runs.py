@@ -44,7 +44,8 @@ RUNS: dict[str, list[str]] = {
     "inflight": ["--reward", "happy_binary", "--use_vllm", "--max_async_level", "1", "--vllm_inflight_tokens", "4",
                  "--max_completion_length", "16", "--lr", "3e-4", "--max_steps", "3", "--save_steps", "3"],
     "resume_continue": [*RESUME, "--resume_from_checkpoint", "latest"],
-    "x2_k0_story": [*TASKS["story"], "--use_vllm", "--max_async_level", "0", "--max_steps", "2", "--save_steps", "2"],
+    "x2_k0_story": [*TASKS["story"], "--use_vllm", "--max_async_level", "0", "--lr", "3e-3", "--max_steps", "2",
+                    "--save_steps", "2"],  # the compiled k = 0 engine: a policy that moves, so a lost sync shows
     "x2_k1_frozenlake": [*TASKS["frozenlake"], "--use_vllm", "--max_async_level", "1", "--max_steps", "2",
                          "--save_steps", "2"],
 }  # fmt: skip
