@@ -246,7 +246,7 @@ def test_offpolicy_generator_follows_the_sharded_policy(tmp_path, sampler):
     run_dir, log = _run(tmp_path / "out", "--reward", "happy_binary", "--max_async_level", "1", "--strict_async_level",
                         "--disable_dropout", "--lr", "3e-4", "--lr_scheduler_type", "constant", *sampler, steps=8,
                         small=K1_RUN)  # fmt: skip
-    assert "its copy gathered from the FSDP2 shards" in log
+    assert "its copy on cpu (gathered from the FSDP2 shards)" in log
     state = json.loads((run_dir / "checkpoint-8" / "trainer_state.json").read_text())
     logs = [r for r in state["log_history"] if "loss" in r]
     gap = [r["offpolicy/abs_log_ratio_mean"] for r in logs]
@@ -254,6 +254,28 @@ def test_offpolicy_generator_follows_the_sharded_policy(tmp_path, sampler):
     assert gap[1] > 1e-2 and max(gap[-3:]) < gap[1], gap  # steps 6-8: on <= 0.32x step 2's gap, off >= 2.7x
     if not sampler:
         assert "(plain)" in _eval_run(run_dir / "checkpoint-8")
+
+
+@pytest.mark.slow
+def test_offpolicy_lora_bf16_trains_under_fsdp2(tmp_path):
+    """--max_async_level 1 with PEFT LoRA, --bf16 and the reference KL (beta 0.02, the default) under FSDP2: the
+    generator samples with its own copy, so the sharded policy's first forward is TRL's reference pass, inside PEFT's
+    disable_adapter (adapters' requires_grad off). FSDP2 reads each group's trainable dtype at its lazy init, so
+    ``trl_ext.launch.fsdp.init_fsdp2_now`` runs it when the model is prepared; run at the first forward instead, the
+    LoRA groups record no dtype and the first backward fails (RuntimeError: a BFloat16 gradient for a Float
+    tensor: first seen on an H200, bench/results/gpu_check-h200.log). The adapters train: the loss is finite and the
+    LoRA B matrices moved from zero."""
+    import safetensors.torch
+
+    run_dir, log = _run(tmp_path / "out", "--reward", "happy_binary", "--lora_rank", "4", "--bf16",
+                        "--max_async_level", "1", "--disable_dropout", "--lr", "1e-3",
+                        small=[*K1_RUN, "--save_steps", "2"])  # fmt: skip
+    assert "its copy on cpu (gathered from the FSDP2 shards)" in log
+    state = json.loads((run_dir / "checkpoint-2" / "trainer_state.json").read_text())
+    assert all(r["loss"] == r["loss"] for r in state["log_history"] if "loss" in r)
+    adapters = safetensors.torch.load_file(run_dir / "checkpoint-2" / "adapter_model.safetensors")
+    lora_b = [t for k, t in adapters.items() if "lora_B" in k]
+    assert lora_b and all(t.abs().max() > 0 for t in lora_b)
 
 
 @pytest.mark.slow

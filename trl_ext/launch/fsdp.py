@@ -104,6 +104,19 @@ def check_parallelism(args, parallelism: Parallelism) -> None:
                           "accelerate launch on several processes, or drop the sharding flags")
 
 
+def init_fsdp2_now(model) -> None:
+    """FSDP2's lazy initialisation, run now on the prepared model (else at its first forward). It fixes each
+    parameter group's mixed-precision dtypes from the parameters that require grad at that moment (torch's
+    ``FSDPParamGroup._init_mp_dtypes``), and PEFT's ``disable_adapter`` (TRL's reference pass) turns the adapters'
+    ``requires_grad`` off: when that pass is the first forward (``--max_async_level >= 1``: the generator samples
+    with its own copy), a LoRA group records no trainable dtype and its bf16 gradients are never cast back to the
+    float32 adapters (a RuntimeError at the first backward, seen on a GPU with --bf16)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()
+
+
 class ShardingMixin:
     """Trainer hooks: FSDP on CPU processes (`use_fsdp_on_cpu`, when the Accelerator is built) and the parallelism in
     effect (``self.parallelism``, read and checked once the Trainer has prepared the model for training)."""
@@ -118,4 +131,6 @@ class ShardingMixin:
         model, dataloader = super()._prepare_for_training(*args, **kwargs)
         self.parallelism = read_parallelism(model, self.accelerator.num_processes)
         check_parallelism(self.args, self.parallelism)
+        if self.parallelism.kind == "FSDP2":
+            init_fsdp2_now(model)
         return model, dataloader

@@ -94,10 +94,11 @@ class OffPolicyMixin:
         model = self.accelerator.unwrap_model(self.model)
         gathered = self._generation_template is not None
         if gathered:  # FSDP2: the plain copy, loaded with the gathered whole weights
-            from trl_ext.offpolicy.sharded import full_parameters, load_full
+            from trl_ext.offpolicy.sharded import load_streamed
 
             gen_model, self._generation_template = self._generation_template, None
-            load_full(gen_model, full_parameters(model, trainable_only=False))  # a collective, on every process
+            gen_model.to(self.accelerator.device)  # made on the host before sharding: moved where this process trains
+            load_streamed(gen_model, model)  # a collective, on every process
         else:
             gen_model = generation_copy(model)
         sampler = self.rollout_sampler(gen_model)  # an engine's (--use_vllm), else --generation_backend's
@@ -126,7 +127,8 @@ class OffPolicyMixin:
         mode = "strict" if args.strict_async_level else "non-strict (in-flight updates)"
         print(f"off-policy: generator thread started at policy version {start}, max_async_level "
               f"{args.max_async_level}, {mode}, generator threads {gen_threads}"
-              f"{', its copy gathered from the FSDP2 shards' if gathered else ''}", flush=True)  # fmt: skip
+              f", its copy on {next(gen_model.parameters()).device}"
+              f"{' (gathered from the FSDP2 shards)' if gathered else ''}", flush=True)  # fmt: skip
 
     def _episode_fn(self):
         """``--env``: the generator thread plays each batch's episodes (``env.episodes.play_episodes``) with its own
