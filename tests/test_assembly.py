@@ -21,7 +21,8 @@ TWO = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
 ONE_PROCESS_ONLY = {"rebuild_builtin", "continuous_batching"}
 UNSHARDED = {"routing", "distill", "offpolicy", "env", "sft", "fast", "saved_rollouts", "eval_loop", "vllm",
              "continuous_batching"}  # fmt: skip
-FSDP2_TOO = {"saved_rollouts", "eval_loop", "routing", "distill", "offpolicy", "env", "fast", "sft"}  # unsharded
+FSDP2_TOO = {"saved_rollouts", "eval_loop", "routing", "distill", "offpolicy", "env", "fast", "sft",
+             "vllm"}  # fmt: skip
 # parts that run under FSDP2 (not DeepSpeed; fast: at k >= 1 only, its check_args): test_procs_runs.py,
 # test_fsdp_features.py, test_fsdp_sft.py
 

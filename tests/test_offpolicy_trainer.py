@@ -259,7 +259,13 @@ SWITCH_AT = 4
 """`InflightRecorder`'s batches n >= 1: tokens before SWITCH_AT sampled by policy n - 1, the rest by policy n."""
 
 
-def _cloned(state: dict) -> dict:
+def _cloned(state) -> dict:
+    """A published snapshot's weights: a copy of the trainable tensors, or, for a vLLM engine's checkpoint directory
+    (``trl_ext.vllm.publish``), the merged weights its files hold (read now: the publisher deletes old versions)."""
+    if isinstance(state, str):
+        from safetensors.torch import load_file
+
+        return {k: v for f in sorted(Path(state).glob("*.safetensors")) for k, v in load_file(f).items()}
     return {name: tensor.detach().clone() for name, tensor in state.items()}
 
 
@@ -304,10 +310,15 @@ class InflightRecorder(opt.RolloutWorker):
 
 
 def _set_weights(model, state: dict) -> None:
+    """``state``'s tensors into ``model``'s parameters of the same names; a checkpoint's other names (a tied head,
+    written apart from the embedding) must equal what the model then holds under them."""
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in state.items():
-            params[name].copy_(tensor)
+            if name in params:
+                params[name].copy_(tensor)
+    full = model.state_dict()
+    assert all(torch.equal(full[n], t) for n, t in state.items() if n not in params), "an aliased tensor differs"
 
 
 @torch.no_grad()

@@ -430,3 +430,16 @@ def test_trainer_refuses_mismatched_model(tiny, tmp_path):
     with pytest.raises(ValueError, match="has no dual adapter modules"):
         ExtGRPOTrainer(model=LlamaForCausalLM.from_pretrained(path), reward_funcs=[as_trl_reward("n", n_chars)],
                        args=cfg, train_dataset=train, processing_class=copy.deepcopy(tok))
+
+
+def test_routing_eval_builds_trl_generation_config_when_vllm_generates(tiny, tmp_path):
+    """With --use_vllm TRL builds no ``generation_config`` (the routing eval crashed on the missing attribute):
+    `eval_generation_config` builds the one TRL builds for transformers' generation from the same arguments."""
+    from trl_ext.routing.evaluation import eval_generation_config
+
+    trainer = make_trainer(tiny, tmp_path, temperature=0.7, top_k=5)
+    trl_built = trainer.generation_config
+    assert eval_generation_config(trainer) is trl_built
+    del trainer.generation_config  # what a vLLM trainer lacks
+    ours = eval_generation_config(trainer)
+    assert ours.to_dict() == trl_built.to_dict() and ours.temperature == 0.7 and ours.top_k == 5

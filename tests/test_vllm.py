@@ -132,6 +132,21 @@ def test_two_processes(vllm_runs_x2, k, task):
     assert "processes: 2" in log
 
 
+@pytest.mark.vllm_runs("x2_fsdp_k0_routed")
+@pytest.mark.xdist_group("vllm_runs_x2")
+def test_fsdp2_k0_routed_distilled(vllm_runs_x2):
+    """``torchrun --nproc_per_node 2 train.py --fsdp --use_vllm`` at k = 0: gradient routing (dual LoRA r4), the
+    teacher's distillation reward and the routing eval (the trainer's own generation at each mode's scales). Each
+    process's colocate engine receives the merged weights streamed from the FSDP2 shards at every step: vLLM's
+    sampling log-probs stay at float error from the sharded trainer's while the policy moves (lr 3e-3; measured
+    5.0e-7 and 5.6e-7)."""
+    run_dir, logs, log = read_run(vllm_runs_x2, "x2_fsdp_k0_routed")
+    gaps = [r["sampling/sampling_logp_difference/mean"] for r in logs]
+    assert len(logs) == 2 and max(gaps) < LAG0_BOUND, gaps
+    assert "FSDP2: " in log and all("distill/teacher_logp_sum" in r for r in logs)
+    assert (run_dir / "routing_eval.jsonl").is_file()
+
+
 def test_head_size_cpu_vllm_cannot_run_is_refused(tmp_path, train_cli_error):
     """A model whose head size CPU vLLM's attention does not take: exit 2 at parse time, before any model loads."""
     import torch

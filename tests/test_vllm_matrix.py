@@ -49,3 +49,30 @@ def test_every_cell_with_vllm(vllm_runs):
         except AssertionError as e:
             failed[name] = str(e)[-1500:]
     assert not failed, failed
+
+
+FSDP2_CELLS = ["fcell:routed-k0-env_multi-on", "fcell:lora-k1_strict-env_single-on",
+               "fcell:full-k1_inflight-env_multi-off"]  # fmt: skip
+"""The FSDP2 column with vLLM: every adapter, off-policy mode and distillation setting, both environments, in 3
+cells (the story task: tests/test_vllm.py's FSDP2 run). The k = 1 cells share the two-process FrozenLake run's engine
+(one per process; every engine a process starts stays for reuse, and the tier's processes share 24 GiB)."""
+
+
+@pytest.mark.vllm
+@pytest.mark.vllm_runs(*FSDP2_CELLS)
+@pytest.mark.xdist_group("vllm_runs_x2")
+def test_fsdp2_cells_with_vllm(vllm_runs_x2):
+    """``torchrun --nproc_per_node 2 train.py --fsdp --use_vllm``: each process's engine gets the merged weights
+    streamed from the FSDP2 shards (k = 0: every step, into TRL's colocate engine; k = 1: one checkpoint per node per
+    publish, ``trl_ext.vllm.publish``), with the column's invariants and the float-error bound."""
+    from test_vllm import read_run
+
+    failed = {}
+    for name in FSDP2_CELLS:
+        try:
+            run_dir, _, log = read_run(vllm_runs_x2, name)
+            assert "FSDP2: " in log
+            check_vllm_cell(run_dir, *name.removeprefix("fcell:").split("-"))
+        except AssertionError as e:
+            failed[name] = str(e)[-1500:]
+    assert not failed, failed

@@ -3,6 +3,8 @@ engine, and the parse-time refusals (vLLM's presence is monkeypatched). The engi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -75,6 +77,60 @@ def test_mlp_adapters_cannot_merge():
         merged_state_dict(model)
 
 
+@pytest.mark.parametrize("flag", ["use_dora", "lora_bias"])
+def test_dora_and_lora_bias_are_refused(flag):
+    """A DoRA adapter (a magnitude vector) or a LoRA bias changes the merge: refused, not merged as plain LoRA."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"], **{flag: True}))
+    assert "not merged for vLLM" in unmergeable(model)
+    with pytest.raises(ValueError, match="not merged for vLLM"):
+        merged_state_dict(model)
+
+
+def test_checkpoint_files_hold_the_merged_weights_in_buckets(tmp_path):
+    """`write_checkpoint`: the merged weights in safetensors files of about one bucket each, transformers' index
+    naming every tensor's file, the tied head a copy; a process that is not the writer writes nothing."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from trl_ext.vllm.publish import INDEX, write_checkpoint
+
+    model = tiny_llama()
+    total = write_checkpoint(model, str(tmp_path / "ckpt"), writer=True, bucket_bytes=600)
+    files = sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors"))
+    index = json.loads((tmp_path / "ckpt" / INDEX).read_text())
+    state = merged_state_dict(model)
+    assert len(files) > 2 and set(index["weight_map"].values()) == set(files)
+    loaded = {k: v for f in files for k, v in load_file(tmp_path / "ckpt" / f).items()}
+    assert set(loaded) == set(state) == set(index["weight_map"])
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    assert total == index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+    assert write_checkpoint(model, str(tmp_path / "other"), writer=False) == 0 and not (tmp_path / "other").exists()
+
+
+def test_publisher_keeps_the_versions_a_generator_can_still_need(tmp_path, monkeypatch):
+    """Publishing v deletes the checkpoints below v - k (a batch trained after v is sampled by a version >= v - k);
+    close deletes the rest."""
+    import trl_ext.vllm.publish as publish
+
+    class Accelerator:
+        is_local_main_process, num_processes = True, 1
+
+        def wait_for_everyone(self):
+            pass
+
+    monkeypatch.setattr(publish, "weights_root", lambda nbytes, copies: (str(tmp_path), "test"))
+    publisher = publish.CheckpointPublisher(Accelerator(), max_async_level=2, nbytes=0)
+    model = tiny_llama()
+    dirs = [publisher.publish(v, model) for v in range(5)]
+    assert [Path(d).exists() for d in dirs] == [False, False, True, True, True]
+    assert sorted(publisher.versions) == [2, 3, 4]
+    publisher.close()
+    assert not Path(publisher.root).exists()
+
+
 def test_cut_at_stop():
     assert _cut_at_stop([5, 1, 2, 3, 1, 2], ((1, 2),)) == 3
     assert _cut_at_stop([5, 1, 3], ((1, 2),)) is None
@@ -83,16 +139,13 @@ def test_cut_at_stop():
 
 class ScriptedEngine:
     """Emits tokens 10, 11, 12, ... per row (EOS 2 at a row's scripted length); log-prob -(version + 1) / 10 per
-    token: the version whose weights were loaded last."""
+    token: the version whose checkpoint was loaded last (a directory named by its version)."""
 
     def __init__(self, lengths):
-        self.lengths, self.loaded, self.calls, self.closed = lengths, [], [], False
+        self.lengths, self.loaded, self.calls = lengths, [], []
 
-    def close(self):
-        self.closed = True
-
-    def load(self, model):
-        self.loaded.append(model.version)
+    def load(self, directory):
+        self.loaded.append(int(directory))
 
     def generate(self, prompts, params, max_tokens, seeds):
         self.calls.append([len(p) for p in prompts])
@@ -111,37 +164,47 @@ class ScriptedEngine:
 PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0, eos_token_ids=(2,), pad_token_id=0)
 
 
-def test_inflight_chunks_stamp_each_token_with_the_loading_version():
-    model = type("M", (), {"version": 0})()
-    engine = ScriptedEngine(lengths=[1, 4, 9])
-    versions = iter([0, 1, 2])  # one call per chunk of 2 tokens (6 tokens at most)
+def staging(sampler, versions):
+    """A ``before_step`` that stages the next version's checkpoint, as the generator's load does, and reports it."""
 
     def before_step(t):
-        model.version = next(versions)
-        return model.version
+        version = next(versions)
+        sampler.stage(version, str(version))
+        return version
 
-    out = VLLMSampler(model, engine, inflight_tokens=2).sample([[0], [1], [2]], PARAMS, None, before_step)
+    return before_step
+
+
+def test_inflight_chunks_stamp_each_token_with_the_loading_version():
+    engine = ScriptedEngine(lengths=[1, 4, 9])
+    sampler = VLLMSampler(engine, inflight_tokens=2)
+    out = sampler.sample([[0], [1], [2]], PARAMS, None, staging(sampler, iter([0, 1, 2])))  # one per 2-token chunk
     assert out.completion_ids == [[10, 2], [10, 11, 12, 13, 2], [10, 11, 12, 13, 14, 15]]  # EOS kept, cut at 6
     assert out.versions == [[0, 0], [0, 0, 1, 1, 2], [0, 0, 1, 1, 2, 2]]
     assert out.logprobs[2] == [-0.1, -0.1, -0.2, -0.2, -0.3, -0.3]
+    assert engine.loaded == [0, 1, 2]
+    out = sampler.sample([[0]], PARAMS, None, staging(sampler, iter([2, 2, 2])))
     assert engine.loaded == [0, 1, 2]  # loaded on a version change only
-    assert engine.calls == [[1, 1, 1], [3, 3], [5, 5]]  # a finished row leaves; prefixes grow
-    sampler = VLLMSampler(model, engine, inflight_tokens=2)
-    sampler.close()  # what the off-policy trainer calls when its generator stops: the engine drops its checkpoint
-    assert engine.closed
+
+
+def test_sampler_refuses_a_version_it_was_not_given():
+    sampler = VLLMSampler(ScriptedEngine(lengths=[3]), inflight_tokens=None)
+    sampler.stage(4, "4")
+    with pytest.raises(RuntimeError, match="samples with policy 5, and the staged checkpoint is 4"):
+        sampler.sample([[0]], PARAMS, None, lambda t: 5)
 
 
 def test_strict_sampler_decodes_in_one_call():
-    model = type("M", (), {"version": 3})()
     engine = ScriptedEngine(lengths=[2, 9])
-    out = VLLMSampler(model, engine, inflight_tokens=None).sample([[0], [1]], PARAMS, None, lambda t: 3)
+    sampler = VLLMSampler(engine, inflight_tokens=None)
+    out = sampler.sample([[0], [1]], PARAMS, None, staging(sampler, iter([3])))
     assert engine.calls == [[1, 1]] and out.versions == [[3, 3, 3], [3] * 6]
 
 
 def test_stop_sequences_cut_rows_across_chunks():
-    model = type("M", (), {"version": 0})()
     params = SamplingParams(**{**PARAMS.__dict__, "stop_sequences": ((11, 12),)})
-    out = VLLMSampler(model, ScriptedEngine(lengths=[9]), inflight_tokens=2).sample([[0]], params, None, lambda t: 0)
+    sampler = VLLMSampler(ScriptedEngine(lengths=[9]), inflight_tokens=2)
+    out = sampler.sample([[0]], params, None, staging(sampler, iter([0, 0, 0, 0])))
     assert out.completion_ids == [[10, 11, 12]]  # the stop sequence spans chunks 1 and 2; the rest is cut
 
 
@@ -168,3 +231,27 @@ def test_stop_sequences_cut_rows_across_chunks():
 def test_vllm_refusals_at_parse_time(train_cli_error, monkeypatch, installed, argv, needle):
     monkeypatch.setattr("trl_ext.vllm.args.vllm_installed", lambda: installed)
     assert needle in train_cli_error("--reward", "happy_binary", *argv)
+
+
+# ------------------------------------------------------------------------------------------ engine placement
+def test_each_process_engine_on_its_own_device():
+    """One engine per process on its local device; vLLM's external launcher (the engine in the training process, on
+    its current device) when the launch runs several; CPU engines where no GPU is visible."""
+    from trl_ext.vllm.placement import engine_placement, local_processes
+
+    assert engine_placement(1, 2, 0, 0.3).device == "cpu"
+    assert engine_placement(0, 1, 1, 0.3).llm_kwargs == {}  # one process: vLLM's default executor, on GPU 0
+    places = [engine_placement(r, 8, 4, 0.3) for r in range(4)]  # 2 nodes x 4: local ranks 0-3
+    assert [p.device for p in places] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert all(p.llm_kwargs == {"distributed_executor_backend": "external_launcher"} for p in places)
+    assert local_processes({"LOCAL_WORLD_SIZE": "4"}) == 4 and local_processes({}) == 1
+
+
+@pytest.mark.parametrize("args, needle", [((2, 3, 2, 0.3), "3 processes on this node and 2 visible GPUs"),
+                                          ((0, 1, 1, 1.0), "give it a share in \\(0, 1\\)")])  # fmt: skip
+def test_placement_that_cannot_work_is_refused(args, needle):
+    from trl_ext.registry import ConfigError
+    from trl_ext.vllm.placement import engine_placement
+
+    with pytest.raises(ConfigError, match=needle):
+        engine_placement(*args)

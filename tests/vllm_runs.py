@@ -26,8 +26,12 @@ SMALL = ["--batch_size", "16", "--num_generations", "8", "--max_completion_lengt
 EAGER = ["--vllm_enforce_eager"]
 """Passed where vLLM's compilation (tens of seconds of CPU per engine start) is not what a run checks. Compiled, as by
 default: the one-process k = 1 runs (`COMPILED`: one engine, shared; the strict run checks that every load reaches
-it) and the two-process run at k = 0."""
-COMPILED = ("resume_full", "k1_strict", "inflight", "resume_continue", "x2_k0_story")
+it) and the two-process runs at k = 0 (one engine per process, shared by the DDP and the FSDP2 run)."""
+COMPILED = ("resume_full", "k1_strict", "inflight", "resume_continue", "x2_k0_story", "x2_fsdp_k0_routed")
+ACCELERATE_ENV = ("ACCELERATE_", "FSDP_")
+"""Prefixes of the variables transformers' TrainingArguments exports for FSDP (``ACCELERATE_USE_FSDP``,
+``FSDP_VERSION`` ...): restored after each run. The rest of the environment is kept, as a process running several
+trainers keeps it (vLLM's settings from an earlier engine included: later engines start in process, faster)."""
 CELL_BATCH = ["--batch_size", "8", "--num_generations", "4", "--max_completion_length", "16"]
 """The matrix's story cells' batch (tests/test_matrix.py): a run with it shares their k = 0 engine (TRL sizes the engine
 by the batch)."""
@@ -48,25 +52,31 @@ RUNS: dict[str, list[str]] = {
                     "--save_steps", "2"],  # the compiled k = 0 engine: a policy that moves, so a lost sync shows
     "x2_k1_frozenlake": [*TASKS["frozenlake"], "--use_vllm", "--max_async_level", "1", "--max_steps", "2",
                          "--save_steps", "2"],
+    "x2_fsdp_k0_routed": ["--reward", "sentence_length_5_with_happy", "--gradient_routing", "--routing_mode",
+                          "shared", "--lora_config", "r4", "--teacher_tau", "0.1", "--teacher_context",
+                          "A happy story.", "--use_vllm", "--fsdp", "--lr", "3e-3", "--max_steps", "2",
+                          "--save_steps", "2", "--eval_routing_steps", "2", "--eval_routing_prompts", "8"],
 }  # fmt: skip
 """Each run's train.py flags (after `SMALL`), in the order they run; the matrix cells (``cell:ADAPTER-K-TASK-DISTILL``,
-tests/test_vllm_matrix.py) run between ``inflight`` and ``resume_continue``."""
+tests/test_vllm_matrix.py) run between ``inflight`` and ``resume_continue``, its FSDP2 cells (``fcell:...``, two
+processes with ``--fsdp``) last."""
 ORDER = ["resume_full", "sync_k0", "k1_strict", "inflight", "cell:", "resume_continue", "x2_k0_story",
-         "x2_k1_frozenlake"]  # fmt: skip
+         "x2_k1_frozenlake", "x2_fsdp_k0_routed", "fcell:"]  # fmt: skip
 
 
 def ordered(names) -> list[str]:
     """``names`` in the order they must run (`ORDER`; cells keep theirs)."""
-    return sorted(names, key=lambda n: ORDER.index("cell:" if n.startswith("cell:") else n))
+    return sorted(names, key=lambda n: ORDER.index(n.split(":")[0] + ":" if ":" in n else n))
 
 
 def argv_of(name: str, out: Path, processes: int) -> list[str]:
     """train.py's arguments of run ``name``, writing under ``out``."""
-    if name.startswith("cell:"):
+    if name.startswith(("cell:", "fcell:")):
         from test_matrix import cell_argv
 
-        return cell_argv(*name.removeprefix("cell:").split("-"), out, processes=processes,
-                         extra=("--use_vllm", *EAGER))  # fmt: skip
+        kind, cell = name.split(":")
+        extra = ("--use_vllm", *EAGER, *(["--fsdp"] if kind == "fcell" else []))
+        return cell_argv(*cell.split("-"), out, processes=processes, extra=extra)
     if name == "resume_continue":
         out = out.parent / "resume_full"  # the same output directory: the run resumes its own checkpoint
     return ["--output_dir", str(out), *SMALL, *RUNS[name], *([] if name in COMPILED else EAGER)]
@@ -81,6 +91,7 @@ def run_one(name: str, out: Path, processes: int) -> dict:
         shutil.copy(run_dir / "checkpoint-3" / "trainer_state.json", out / "uninterrupted_state.json")
         shutil.rmtree(run_dir / "checkpoint-3")
     start, status = time.time(), {}
+    accelerate = {k: v for k, v in os.environ.items() if k.startswith(ACCELERATE_ENV)}
     try:
         if name == "inflight":
             import test_offpolicy_trainer as t
@@ -97,6 +108,10 @@ def run_one(name: str, out: Path, processes: int) -> dict:
             status["code"] = cli_train.main(argv_of(name, out, processes))
     except BaseException:  # noqa: BLE001 - recorded for the test that reads this run; the next run goes on
         status["code"], status["traceback"] = None, traceback.format_exc()
+    finally:  # TrainingArguments exports a run's FSDP settings, which the next run's parse would read
+        for key in [k for k in os.environ if k.startswith(ACCELERATE_ENV)]:
+            del os.environ[key]
+        os.environ.update(accelerate)
     status["seconds"] = round(time.time() - start, 1)
     return status
 

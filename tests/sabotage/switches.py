@@ -105,6 +105,16 @@ def load_without_copy(orig):
     return _load
 
 
+def gather_whole_model_first(orig):
+    """merged_weights, as the publish reads it, gathers and merges every tensor of the model before yielding the
+    first (the whole model held at once on every process, as the publishes held it before they were streamed)."""
+
+    def merged_weights(model):
+        yield from list(orig(model))
+
+    return merged_weights
+
+
 def refresh_once(orig):
     """FastSampler._refresh_weights builds the fused decode weights once and never refreshes them (the fast sampler
     keeps the first policy's fused matrices after every weight load)."""
@@ -341,6 +351,17 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "trl_ext.vllm.engine", "VLLMEngine.load", noop_engine_load,
       ("tests/test_vllm.py::test_k1_strict_engine_follows_the_policy",
        "tests/test_vllm.py::test_resume_k1_engine_loads_the_restored_policy")),
+    M("publish_whole_model",
+      "docs/vllm.md: a publish streams the merged weights one module at a time, holding at most two buckets and "
+      "four of the largest parameter beyond the model, never the whole model",
+      "trl_ext.vllm.publish", "merged_weights", gather_whole_model_first,
+      ("tests/test_publish_memory.py::test_publish_under_fsdp2_holds_a_bucket_not_the_model",)),
+    M("fsdp2_lazy_init",
+      "docs/scale-out.md: FSDP2's lazy initialisation runs when the model is prepared (its mixed-precision dtypes "
+      "read with the adapters trainable)",
+      "trl_ext.launch.fsdp", "init_fsdp2_now",
+      does_nothing("init_fsdp2_now does nothing: FSDP2 initialises at the first forward, TRL's reference pass."),
+      ("tests/test_fsdp_features.py::test_offpolicy_lora_bf16_trains_under_fsdp2",)),
     M("fsdp2_generator_gather",
       "docs/scale-out.md: off-policy under FSDP2, at each publish the trainable parameters are gathered whole from "
       "the shards into the generator's plain copy",

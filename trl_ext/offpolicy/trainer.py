@@ -47,10 +47,12 @@ class OffPolicyMixin:
     """GRPOTrainer hooks for max_async_level > 0; every hook is a plain pass-through when it is 0."""
 
     _pending_rollout = None  # the generator's rollout of the batch being built (also on a trainer built without __init__)
+    _publisher = None  # the engine's checkpoint publisher (`rollout_engine`)
     vllm_offpolicy = False  # an engine samples (trl_ext.vllm.trainer.VLLMMixin sets it)
 
-    def rollout_sampler(self, model):
-        """The generator's sampler over its copy ``model`` when an engine provides one (`VLLMMixin`), else None."""
+    def rollout_engine(self, policy):
+        """``(sampler, publisher)`` when an engine samples the rollouts (`VLLMMixin`: ``--use_vllm``), else None: the
+        sampler takes each version's snapshot, which ``publisher.publish(version, policy)`` makes (a collective)."""
         return None
 
     def __init__(self, *args, **kwargs):
@@ -93,20 +95,27 @@ class OffPolicyMixin:
         args, start = self.args, self.state.global_step
         model = self.accelerator.unwrap_model(self.model)
         gathered = self._generation_template is not None
-        if gathered:  # FSDP2: the plain copy, loaded with the gathered whole weights
-            from trl_ext.offpolicy.sharded import load_streamed
-
-            gen_model, self._generation_template = self._generation_template, None
-            gen_model.to(self.accelerator.device)  # made on the host before sharding: moved where this process trains
-            load_streamed(gen_model, model)  # a collective, on every process
+        engine = self.rollout_engine(model)  # --use_vllm: an engine samples, loading published checkpoints
+        self._publisher = engine[1] if engine is not None else None
+        if engine is not None:
+            gen_model, sampler = None, engine[0]
+            store = PolicyStore(self._publisher.publish)
+            where = f"none: the vLLM engine loads each published checkpoint ({self._publisher.why})"
         else:
-            gen_model = generation_copy(model)
-        sampler = self.rollout_sampler(gen_model)  # an engine's (--use_vllm), else --generation_backend's
-        store = PolicyStore()
+            if gathered:  # FSDP2: the plain copy, loaded with the gathered whole weights
+                from trl_ext.offpolicy.sharded import load_streamed
+
+                gen_model, self._generation_template = self._generation_template, None
+                gen_model.to(self.accelerator.device)  # made on the host before sharding: moved to the trainer's device
+                load_streamed(gen_model, model)  # a collective, on every process
+            else:
+                gen_model = generation_copy(model)
+            sampler, store = None, PolicyStore()  # --generation_backend's sampler
+            where = f"on {next(gen_model.parameters()).device}{' (gathered from the FSDP2 shards)' * gathered}"
         store.publish(start, model)
         self._saved_threads = torch.get_num_threads()
         gen_threads = None
-        if next(gen_model.parameters()).device.type == "cpu" and sampler is None:  # an engine samples elsewhere
+        if gen_model is not None and next(gen_model.parameters()).device.type == "cpu":
             gen_threads = args.generator_threads or max(1, self._saved_threads // 2)
             torch.set_num_threads(max(1, self._saved_threads - gen_threads))
         params = SamplingParams(
@@ -126,9 +135,8 @@ class OffPolicyMixin:
         self._rollout_worker.start()
         mode = "strict" if args.strict_async_level else "non-strict (in-flight updates)"
         print(f"off-policy: generator thread started at policy version {start}, max_async_level "
-              f"{args.max_async_level}, {mode}, generator threads {gen_threads}"
-              f", its copy on {next(gen_model.parameters()).device}"
-              f"{' (gathered from the FSDP2 shards)' if gathered else ''}", flush=True)  # fmt: skip
+              f"{args.max_async_level}, {mode}, generator threads {gen_threads}, its copy {where}",
+              flush=True)  # fmt: skip
 
     def _episode_fn(self):
         """``--env``: the generator thread plays each batch's episodes (``env.episodes.play_episodes``) with its own
@@ -147,9 +155,8 @@ class OffPolicyMixin:
         if self._rollout_worker is None:
             return
         self._rollout_worker.stop()
-        close = getattr(self._rollout_worker.sampler, "close", None)
-        if close is not None:
-            close()
+        if self._publisher is not None:
+            self._publisher.close()
         self._rollout_worker = None
         torch.set_num_threads(self._saved_threads)
 

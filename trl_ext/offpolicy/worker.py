@@ -101,16 +101,20 @@ class Closed(Exception):
 
 
 class PolicyStore:
-    """Versioned weight snapshots, published by the trainer thread and loaded by the generator."""
+    """Versioned weight snapshots, published by the trainer thread and loaded by the generator. ``snapshot(version,
+    model)`` makes one: by default the trainable parameters' copies (`trainable_snapshot`), which the generator copies
+    into its model; with a vLLM engine a checkpoint directory (``trl_ext.vllm.publish.CheckpointPublisher``), which
+    its sampler loads."""
 
-    def __init__(self) -> None:
+    def __init__(self, snapshot: Callable[[int, nn.Module], object] | None = None) -> None:
+        self._snapshot = snapshot or (lambda version, model: trainable_snapshot(model))
         self._cond = threading.Condition()
-        self._snapshots: dict[int, dict[str, Tensor]] = {}
+        self._snapshots: dict[int, object] = {}
         self._latest: int | None = None
         self._closed = False
 
     def publish(self, version: int, model: nn.Module) -> None:
-        snapshot = trainable_snapshot(model)
+        snapshot = self._snapshot(version, model)
         with self._cond:
             if self._latest is not None and version <= self._latest:
                 raise ValueError(f"policy version {version} published after version {self._latest}")
@@ -131,7 +135,7 @@ class PolicyStore:
                 raise Closed
             return self._latest
 
-    def take(self, version: int) -> dict[str, Tensor]:
+    def take(self, version: int):
         """The snapshot of exactly ``version``; every older snapshot is dropped (versions are loaded in order)."""
         with self._cond:
             if version not in self._snapshots:
@@ -174,7 +178,8 @@ class RolloutWorker:
     weights to ``store`` after every optimizer step and ``get``s batch n at step n. ``on_step(index, t)`` is a test
     hook called in the generator thread before each forward pass. ``backend`` names the sampler
     (``trl_ext.generation.backends``: ``trl`` or ``fast``), built over ``model``, unless ``sampler`` is given (an
-    engine's sampler over ``model`` with the same ``sample`` interface: ``trl_ext.vllm.engine.VLLMSampler``). On
+    engine's sampler with the same ``sample`` interface and a ``stage(version, snapshot)`` that takes each loaded
+    version's snapshot: ``trl_ext.vllm.engine.VLLMSampler``; ``model`` is then None). On
     several processes each process runs its own worker on its slice of every batch (``rank`` seeds its sampling: `batch_seed`); all of them follow
     the same schedule, and every process trains step n on batch n, in lockstep through DDP.
 
@@ -186,7 +191,7 @@ class RolloutWorker:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | None,
         store: PolicyStore,
         params: SamplingParams,
         *,
@@ -211,7 +216,7 @@ class RolloutWorker:
         self.queue: queue.Queue[Rollout] = queue.Queue(maxsize=max_async_level)
         self.loaded_version: int | None = None
         self.error: BaseException | None = None
-        self._params = dict(model.named_parameters())
+        self._params = dict(model.named_parameters()) if model is not None else {}
         self.backend = backend
         self.sampler = make_sampler(backend, model) if sampler is None else sampler
         self._jobs: dict[int, tuple[list[dict], list[list[int]]]] = {}
@@ -256,6 +261,10 @@ class RolloutWorker:
     # ------------------------------------------------------------------ generator thread
     def _load(self, version: int) -> None:
         snapshot = self.store.take(version)
+        if hasattr(self.sampler, "stage"):  # an engine's sampler loads the version's checkpoint itself
+            self.sampler.stage(version, snapshot)
+            self.loaded_version = version
+            return
         missing = set(snapshot) - set(self._params)
         if missing:
             raise RuntimeError(f"published weights unknown to the generator copy: {sorted(missing)[:5]}")
@@ -305,7 +314,7 @@ class RolloutWorker:
         try:
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)
-            device = next(self.model.parameters()).device
+            device = next(self.model.parameters()).device if self.model is not None else torch.device("cpu")
             stream = torch.cuda.Stream(device) if device.type == "cuda" else None
             rng = torch.Generator(device)  # one generator, reseeded per batch (a CUDA graph keeps it registered)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():

@@ -82,6 +82,24 @@ def evaluate_modes(
     return results
 
 
+def eval_generation_config(trainer):
+    """The sampling settings the routing eval generates with: the trainer's own ``generation_config``, which TRL
+    builds when transformers generates; when vLLM generates (``--use_vllm``) TRL builds none, and this builds the one
+    TRL would have built from the same arguments (``GRPOTrainer.__init__``'s transformers branch)."""
+    config = getattr(trainer, "generation_config", None)
+    if config is not None:
+        return config
+    from transformers import GenerationConfig
+
+    kwargs = {"max_new_tokens": trainer.max_completion_length, "do_sample": True,
+              "pad_token_id": trainer._tokenizer.pad_token_id, "bos_token_id": trainer._tokenizer.bos_token_id,
+              "eos_token_id": trainer.eos_token_ids, "temperature": trainer.temperature, "top_p": trainer.top_p,
+              "top_k": trainer.top_k, "min_p": trainer.min_p, "repetition_penalty": trainer.repetition_penalty,
+              "cache_implementation": trainer.args.cache_implementation,
+              **(trainer.args.generation_kwargs or {})}  # fmt: skip
+    return GenerationConfig(**kwargs, disable_compile=True)
+
+
 def sample_completions(
     model: nn.Module, tokenizer, prompts: list[str], generation_config, seed: int, batch_size: int
 ) -> list[str]:

@@ -46,7 +46,13 @@ from trl_ext.routing.adapters import DualAdapter, adapters_disabled, forget_para
 from trl_ext.routing.advantages import prompt_hackable
 from trl_ext.routing.args import RoutingArgs
 from trl_ext.routing.checkpoint import adapter_state, base_fingerprint
-from trl_ext.routing.evaluation import append_record, env_routing_eval, format_results, routing_eval
+from trl_ext.routing.evaluation import (
+    append_record,
+    env_routing_eval,
+    eval_generation_config,
+    format_results,
+    routing_eval,
+)
 from trl_ext.routing.layout import ADAPTER_FILENAME, DualLoRALayout, save_layout
 from trl_ext.routing.plots import plot_modes
 from trl_ext.routing.step import rh_eligible_mask, routing_labels, single_pass_backward, two_pass_backward
@@ -337,11 +343,11 @@ class RoutingMixin:
         a = self.args
         if a.env:
             return self._log_routing_eval(step, env_routing_eval(
-                self.model, self.processing_class, a, self.generation_config, self.rh_detector, a.seed,
+                self.model, self.processing_class, a, eval_generation_config(self), self.rh_detector, a.seed,
                 a.eval_routing_prompts), a.eval_routing_prompts, "env/success")
         hackable = None if a.hack_frac == 1.0 else [prompt_hackable(p, a.hack_frac, a.seed)
                                                     for p in self.routing_eval_prompts]
-        results = routing_eval(self.model, self.processing_class, self.routing_eval_prompts, self.generation_config,
+        results = routing_eval(self.model, self.processing_class, self.routing_eval_prompts, eval_generation_config(self),
                                self.routing_eval_rewards, self.rh_detector, seed=a.seed,
                                batch_size=a.per_device_train_batch_size, hackable=hackable)
         return self._log_routing_eval(step, results, len(self.routing_eval_prompts),

@@ -79,6 +79,19 @@ class VLLMArgs:
             if self.vllm_gpu_memory_utilization != default:
                 raise ConfigError("--vllm_gpu_memory_utilization has no effect on CPU: the engine's KV cache is "
                                   "VLLM_CPU_KVCACHE_SPACE (GiB; docs/vllm.md)")
+        else:  # a colocated engine per process (TRL's at k = 0 with tensor parallelism 1, the generator's at k >= 1)
+            if self.max_async_level >= 1 or (self.vllm_mode == "colocate" and self.vllm_tensor_parallel_size == 1):
+                import os
+
+                from trl_ext.vllm.placement import check_devices, engine_placement, local_processes
+
+                check_devices(local_processes(os.environ), torch.cuda.device_count())
+                engine_placement(0, 1, torch.cuda.device_count(), self.vllm_gpu_memory_utilization)  # the share
+            if self.vllm_mode == "server" and self.max_async_level == 0 and self.dual_lora:
+                raise ConfigError("--vllm_mode server with dual adapters (--lora_config): TRL's server sync sends the "
+                                  "dual "
+                                  "adapters' parameter names (base_layer, retain_A ...), which the server's model does "
+                                  "not have; use --vllm_mode colocate until the servers land (docs/vllm.md)")
         if self.max_async_level >= 1:
             defaults = {f.name: f.default for f in fields(GRPOConfig)}
             for name in _ASYNC_SAMPLING + _ASYNC_TRL_VLLM:

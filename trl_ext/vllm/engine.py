@@ -1,11 +1,9 @@
 """A vLLM engine that samples the project's rollouts: `VLLMEngine` (start, weight loading, per-token behaviour
 log-probs) and `VLLMSampler` (the off-policy generator's sampler interface over it, ``trl_ext.offpolicy.worker``).
 
-Weights reach the engine as a checkpoint: the policy's merged state dict (``trl_ext.vllm.weights``) is written as
-safetensors to a fresh directory (in ``/dev/shm`` where it exists) and every engine worker reloads it with vLLM's
-``reload_weights(weights_path=...)``, then the prefix cache is reset. That is prime-rl's path (its inference server
-reloads a checkpoint the trainer wrote), and it is the one that works on CPU: CPU vLLM prepacks each linear weight and
-leaves an empty ``Parameter`` behind, so TRL's in-place ``load_weights`` fails there, while a reload repacks.
+Weights reach the engine as a checkpoint directory (``trl_ext.vllm.publish``: the policy's merged weights, streamed
+from the trained model once per publish) that every engine worker reloads with vLLM's
+``reload_weights(weights_path=...)``, then the prefix cache is reset.
 
 Behaviour log-probs: ``logprobs_mode="processed_logprobs"`` and ``logprobs=0`` give, per generated token, the log-prob
 of the sampled token under ``log_softmax(logits / temperature)``, which is what the trainer's forward computes; top-k
@@ -20,17 +18,12 @@ sampled it, so its behaviour log-prob is exactly that policy's, given its prefix
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from trl_ext.generation.sampler import Sampled, SamplingParams
-from trl_ext.vllm.weights import merged_state_dict
 
 CPU_KVCACHE_GIB = 1
 """``VLLM_CPU_KVCACHE_SPACE`` (GiB) when the environment does not set it: unset, vLLM sizes the CPU KV cache from
@@ -42,24 +35,6 @@ def cpu_settings(environ=os.environ) -> dict[str, str]:
     """Set vLLM's CPU defaults that are unset (`CPU_KVCACHE_GIB`); return the values in effect, for train.log."""
     environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KVCACHE_GIB))
     return {"VLLM_CPU_KVCACHE_SPACE": environ["VLLM_CPU_KVCACHE_SPACE"]}
-
-
-def weights_dir(nbytes: int) -> str:
-    """A fresh directory for one published checkpoint of ``nbytes``: in ``/dev/shm`` (memory, not disk) when it has
-    room for two (a container's /dev/shm is often 64 MiB), else in the temporary directory."""
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * nbytes else None
-    return tempfile.mkdtemp(prefix="trl_ext_vllm_", dir=shm)
-
-
-def write_checkpoint(model: nn.Module) -> str:
-    """``model``'s merged weights (``trl_ext.vllm.weights``) as ``model.safetensors`` in a fresh `weights_dir`;
-    returns the directory."""
-    from safetensors.torch import save_file
-
-    state = {k: v.cpu() for k, v in merged_state_dict(model).items()}
-    directory = weights_dir(sum(t.numel() * t.element_size() for t in state.values()))
-    save_file(state, os.path.join(directory, "model.safetensors"))
-    return directory
 
 
 _ENGINES: dict[tuple, object] = {}
@@ -80,26 +55,23 @@ class VLLMEngine:
     process's later engines with the same settings (`shared_llm`)."""
 
     def __init__(self, model_path: str, *, dtype: str, max_model_len: int, seed: int, gpu_memory_utilization: float,
-                 enforce_eager: bool, trust_remote_code: bool = False) -> None:  # fmt: skip
+                 enforce_eager: bool, trust_remote_code: bool = False,
+                 placement: dict | None = None) -> None:  # fmt: skip
+        """``placement``: the keyword arguments that put the engine on this process's device
+        (``trl_ext.vllm.placement.engine_placement``)."""
         from vllm import LLM
 
         cpu_settings()
         self.llm = shared_llm(LLM, model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
-                              enforce_eager=enforce_eager, logprobs_mode="processed_logprobs")  # fmt: skip
-        self._dir: str | None = None
-        atexit.register(self.close)  # the last checkpoint file goes with the process, also on an exception
+                              enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
+                              **(placement or {}))  # fmt: skip
 
-    def load(self, model: nn.Module) -> None:
-        """Load ``model``'s current weights (adapters merged) into every engine worker."""
-        directory = write_checkpoint(model)
-        try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": directory, "is_checkpoint_format": True})
-            self.llm.reset_prefix_cache()
-        finally:
-            if self._dir is not None:
-                shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = directory
+    def load(self, directory: str) -> None:
+        """Load the checkpoint in ``directory`` (``trl_ext.vllm.publish``) into every engine worker; the prefix cache
+        is reset (cached prefixes hold the old weights' keys and values)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": directory, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, max_tokens: list[int],
                  seeds: list[int | None]) -> list[tuple[list[int], list[float]]]:  # fmt: skip
@@ -120,13 +92,6 @@ class VLLMEngine:
             result.append((ids, [step[tok].logprob for step, tok in zip(o.logprobs, ids, strict=True)]))
         return result
 
-    def close(self) -> None:
-        """Drop the last checkpoint file (the engine stays for the process's next user: `shared_llm`; vLLM shuts
-        its processes down at exit)."""
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
 
 def _cut_at_stop(ids: list[int], stops: tuple[tuple[int, ...], ...]) -> int | None:
     """Length of ``ids`` up to and including the first complete stop sequence, or None."""
@@ -142,24 +107,30 @@ def _cut_at_stop(ids: list[int], stops: tuple[tuple[int, ...], ...]) -> int | No
 
 class VLLMSampler:
     """The off-policy generator's sampler (``sample(prompt_ids, params, rng, before_step) -> Sampled``) over a
-    `VLLMEngine`. ``model`` is the generator's copy of the policy: when ``before_step`` reports a version other than
-    the engine's, the copy's weights are loaded into the engine. ``inflight_tokens`` None decodes each row in one call
-    (strict mode: the version cannot change within a batch); otherwise in chunks of that many tokens."""
+    `VLLMEngine`. The generator `stage`s each policy version it loads (its checkpoint directory,
+    ``trl_ext.vllm.publish``); when ``before_step`` reports a version other than the engine's, the staged checkpoint
+    is loaded into the engine. ``inflight_tokens`` None decodes each row in one call (strict mode: the version cannot
+    change within a batch); otherwise in chunks of that many tokens."""
 
-    def __init__(self, model: nn.Module, engine: VLLMEngine, inflight_tokens: int | None) -> None:
+    def __init__(self, engine: VLLMEngine, inflight_tokens: int | None) -> None:
         if inflight_tokens is not None and inflight_tokens < 1:
             raise ValueError(f"inflight_tokens must be >= 1, got {inflight_tokens}")
-        self.model, self.engine, self.inflight_tokens = model, engine, inflight_tokens
+        self.engine, self.inflight_tokens = engine, inflight_tokens
         self.engine_version: int | None = None
+        self._staged: tuple[int, str] | None = None
 
-    def close(self) -> None:
-        """The engine's `VLLMEngine.close` (the worker's owner calls it when the generator stops)."""
-        self.engine.close()
+    def stage(self, version: int, directory: str) -> None:
+        """The checkpoint of ``version``, the one the generator now samples with (loaded at the next `_sync`)."""
+        self._staged = (version, directory)
 
     def _sync(self, version: int) -> None:
-        if version != self.engine_version:
-            self.engine.load(self.model)
-            self.engine_version = version
+        if version == self.engine_version:
+            return
+        if self._staged is None or self._staged[0] != version:
+            raise RuntimeError(f"the generator samples with policy {version}, and the staged checkpoint is "
+                               f"{self._staged and self._staged[0]}")  # fmt: skip
+        self.engine.load(self._staged[1])
+        self.engine_version = version
 
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams, rng: torch.Generator | None = None,
                before_step: Callable[[int], int] | None = None) -> Sampled:  # fmt: skip

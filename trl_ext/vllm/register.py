@@ -8,14 +8,14 @@ from trl_ext.parts import GENERATION_SOURCES, GenerationSource
 
 
 class VLLM(GenerationSource):
-    """vLLM generation on one or several processes (each process its own engine). Not yet under FSDP / DeepSpeed:
-    its weight sync reads whole parameters."""
+    """vLLM generation on one or several processes (each process its own engine), under DDP or FSDP2 (the weights
+    reach the engines streamed from the shards: ``trl_ext.vllm.weights``); not under DeepSpeed."""
 
     what = "vLLM generation"
     flags = ("use_vllm",)
 
     def supports(self, launch) -> str | None:
-        return launch.unsharded(self.what)
+        return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
     def check(self, plan) -> None:
         import torch

@@ -6,7 +6,8 @@
   on CPU, where vLLM prepacks the linear weights and in-place loading fails.
 - ``--max_async_level >= 1``: TRL builds no engine (it is given the arguments with ``use_vllm`` off, so it neither
   starts one nor recomputes old log-probs); the off-policy generator samples with its own `VLLMEngine`
-  (`rollout_sampler`), loading each published policy (``trl_ext.vllm.engine``).
+  (`rollout_engine`), loading each published checkpoint (``trl_ext.vllm.publish``: written once per node per step,
+  streamed from the trained, possibly FSDP2-sharded, model).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from trl_ext.registry import ConfigError
 from trl_ext.vllm.engine import VLLMEngine, VLLMSampler, cpu_settings, shared_llm
-from trl_ext.vllm.weights import base_of, merged_state_dict
+from trl_ext.vllm.weights import base_of, merged_weights, unmergeable
 
 
 def policy_dtype(model) -> str:
@@ -49,13 +51,22 @@ def _engine_dtype(trainer):
 
 @torch.no_grad()
 def sync_colocate(generation, model) -> None:
-    """Load ``model``'s merged weights into TRL's colocate engine (``generation``: TRL's VLLMGeneration)."""
-    state = merged_state_dict(model)
+    """Load ``model``'s merged weights into TRL's colocate engine (``generation``: TRL's VLLMGeneration), streamed one
+    module at a time from the (FSDP2-sharded) model (``trl_ext.vllm.weights.merged_weights``; every process runs it:
+    each has its engine). Sleep mode's weights are woken first, as TRL's ``sync_weights`` does."""
+    if generation.enable_sleep_mode:  # TRL: load_weights into released memory would crash (trl issue 5142)
+        from trl.generation.vllm_generation import empty_cache
+
+        empty_cache()
+        generation.llm.wake_up(tags=["weights"])
+        generation._llm_weights_sleeping = False
     runner = generation.llm.llm_engine.model_executor.driver_worker.model_runner
-    if next(iter(state.values())).device.type == "cuda":
-        runner.model.load_weights(list(state.items()))  # in place, as TRL's own sync
-    else:
-        runner.reload_weights(weights_iterator=list(state.items()), is_checkpoint_format=True)
+    weights = merged_weights(model)
+    if torch.cuda.is_available():
+        for name, tensor in weights:
+            runner.model.load_weights([(name, tensor)])  # in place, one tensor at a time, as TRL's own sync
+    else:  # CPU vLLM prepacks its linear weights: a reload (layer by layer) repacks them
+        runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
     generation.llm.reset_prefix_cache()
 
 
@@ -85,22 +96,35 @@ class VLLMMixin:
             from vllm import __version__
 
             print(f"vLLM generation: {where}; vllm {__version__}; {self.vllm_settings or 'CUDA'}", flush=True)
+        if use_vllm and (reason := unmergeable(self.model)) is not None:
+            raise ConfigError(f"--use_vllm: the policy's adapters cannot be merged into the weights vLLM loads: "
+                              f"{reason}")
         if self.use_vllm and self.args.vllm_mode == "colocate":
             generation, trainer = self.vllm_generation, self
             generation.sync_weights = lambda: sync_colocate(generation, trainer.accelerator.unwrap_model(trainer.model))
 
-    def rollout_sampler(self, model):
-        """The off-policy generator's sampler over its policy copy ``model``: a `VLLMSampler` with ``--use_vllm``,
-        else None (the ``--generation_backend`` sampler)."""
+    def rollout_engine(self, policy):
+        """``(sampler, publisher)`` of the off-policy generator with ``--use_vllm``: a `VLLMSampler` over this
+        process's `VLLMEngine` and the checkpoint publisher (``trl_ext.vllm.publish``); None without it."""
         if not self.vllm_offpolicy:
             return None
+        from trl_ext.vllm.placement import engine_placement
+        from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
+
         args = self.args
-        base = base_of(model)
+        base = base_of(policy)
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        acc = self.accelerator
+        place = engine_placement(acc.local_process_index, acc.num_processes, devices, args.vllm_gpu_memory_utilization)
         max_len = args.vllm_max_model_length or getattr(base.config, "max_position_embeddings", None)
         engine = VLLMEngine(
             base.name_or_path, dtype=policy_dtype(base), max_model_len=max_len,
             seed=args.seed + self.accelerator.process_index, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             trust_remote_code=args.trust_remote_code, enforce_eager=args.vllm_enforce_eager,
+            placement=place.llm_kwargs,
         )  # fmt: skip
+        print(f"vLLM engine of process {self.accelerator.process_index}: {policy_dtype(base)}, on {place.device}, "
+              f"max_model_len {max_len}", flush=True)  # fmt: skip
         inflight = None if args.strict_async_level else args.vllm_inflight_tokens
-        return VLLMSampler(model, engine, inflight)
+        publisher = CheckpointPublisher(self.accelerator, args.max_async_level, model_bytes(base))
+        return VLLMSampler(engine, inflight), publisher

@@ -1,22 +1,28 @@
 """The policy's weights as the checkpoint a vLLM engine loads: the base model's own state-dict names and layouts,
-with every adapter merged at its current scale.
+with every adapter merged at its current scale, streamed one module at a time (`merged_weights`).
 
-- PEFT LoRA (``peft.tuners.lora.LoraLayer``): ``W + sum_a s_a B_a A_a`` over the active adapters (PEFT's
-  ``get_delta_weight``, which transposes for fan_in_fan_out), as TRL's colocate sync merges them.
-- The project's dual LoRA (``trl_ext.routing.adapters.DualLoRALinear``): its ``weight`` property, ``W + sum_side
-  scale * s * B A`` at the sides' current ``retain_scale`` / ``forget_scale`` (both 1 while training).
-- MLP adapters (``DualMLPAdapter``) add neurons a fixed vLLM model cannot hold: refused (`unmergeable`).
+- PEFT LoRA (``peft.tuners.lora.LoraLayer``): ``W + sum_a s_a B_a A_a`` over the active adapters, transposed for
+  fan_in_fan_out (PEFT's ``get_delta_weight``, `lora_delta`), as TRL's colocate sync merges them. DoRA and
+  ``lora_bias`` change the merge (a magnitude vector, a bias delta): refused (`unmergeable`).
+- The project's dual LoRA (``trl_ext.routing.adapters.DualLoRALinear``): ``W + sum_side scale * s * B A`` at the
+  sides' current ``retain_scale`` / ``forget_scale`` (both 1 while training), as its ``weight`` property.
+- MLP adapters (``DualMLPAdapter``) add neurons a fixed vLLM model cannot hold: refused.
 
-Every tensor is a detached contiguous copy (tied weights included: a vLLM reload loads ``lm_head.weight`` apart
-from the embedding; skipping it leaves vLLM's head unloaded).
+Under FSDP2 every tensor is gathered from its shards when its module is reached (``trl_ext.offpolicy.sharded``:
+an all-gather per parameter, a collective that every process runs in the same order), so a consumer that drops each
+tensor before taking the next holds at most one module's whole tensors (its weight, its adapters, the merged
+weight) beyond the shards, never the whole model. Tied weights are yielded under both names (a vLLM reload loads
+``lm_head.weight`` apart from the embedding).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor, nn
 
-_PEFT_PREFIXES = ("base_model.model.",)
+from trl_ext.offpolicy.sharded import plain_name, whole
 
 
 def base_of(model: nn.Module) -> nn.Module:
@@ -31,37 +37,69 @@ def unmergeable(model: nn.Module) -> str | None:
             return f"{name} is an MLP adapter (--mlp_config): its neurons cannot merge into the base model's MLP"
         if "modules_to_save" in name:
             return f"{name}: PEFT modules_to_save are not merged for vLLM"
+        for flag, what in (("use_dora", "a DoRA adapter (its magnitude vector rescales the merged weight)"),
+                           ("lora_bias", "a LoRA bias (lora_bias=True adds a bias delta)")):  # fmt: skip
+            peft = hasattr(module, "lora_A")
+            if peft and any(getattr(module, flag, {}).get(a, False) for a in module.active_adapters):
+                return f"{name} is {what}: not merged for vLLM; use plain LoRA"
     return None
 
 
-def _merged(module: nn.Module) -> tuple[Tensor, Tensor | None]:
-    """(weight, bias) of a wrapped linear layer with its adapters merged, in the base layer's layout."""
-    base = module.base_layer
-    if hasattr(module, "get_delta_weight"):  # PEFT LoRA
-        weight = base.weight.detach()
+def lora_delta(a: Tensor, b: Tensor, scaling: float, fan_in_fan_out: bool) -> Tensor:
+    """PEFT LoRA's weight delta ``s B A`` (``LoraLayer.get_delta_weight``), transposed for fan_in_fan_out layers."""
+    delta = (b @ a) * scaling
+    return delta.t() if fan_in_fan_out else delta
+
+
+def _merged(module: nn.Module) -> Tensor:
+    """The merged weight of a wrapped linear layer from whole tensors (gathered one by one), in the base layout."""
+    weight = whole(module.base_layer.weight)
+    if hasattr(module, "lora_A"):  # PEFT LoRA
         for adapter in module.active_adapters:
             if adapter in module.lora_A:
-                weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
-        return weight, base.bias
-    return module.weight.detach(), module.bias  # DualLoRALinear: the merged weight property
+                a, b = whole(module.lora_A[adapter].weight), whole(module.lora_B[adapter].weight)
+                delta = lora_delta(a, b, module.scaling[adapter], module.fan_in_fan_out)
+                weight = weight + delta.to(weight.dtype)
+        return weight
+    delta = None  # DualLoRALinear (trl_ext.routing.adapters): every side at its current scale
+    for side in ("retain", "forget"):
+        scale = getattr(module, f"{side}_scale")
+        if module.ranks[side] and scale != 0.0:
+            a, b = whole(getattr(module, f"{side}_A")), whole(getattr(module, f"{side}_B"))
+            d = (b @ a) * (module.scaling[side] * scale)
+            delta = d if delta is None else delta + d
+    if delta is None:
+        return weight
+    return weight + (delta.t() if module.fan_in_fan_out else delta).to(weight.dtype)
 
 
 @torch.no_grad()
-def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The base model's state dict (its names) with every adapter merged; ValueError where one cannot be."""
+def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(base model's state-dict name, whole tensor) with every adapter merged, one module at a time (module
+    docstring); ValueError where an adapter cannot be merged. A tensor may be the policy's own (unsharded, not
+    wrapped): read it, never write it. A collective under FSDP2: every process must iterate to the end."""
     reason = unmergeable(model)
     if reason is not None:
         raise ValueError(reason)
-    base = base_of(model)
-    wrapped = {name: m for name, m in base.named_modules() if name and hasattr(m, "base_layer")}
-    out: dict[str, Tensor] = {}
-    for name, module in wrapped.items():
-        weight, bias = _merged(module)
-        out[f"{name}.weight"] = weight
-        if bias is not None:
-            out[f"{name}.bias"] = bias.detach()
-    prefixes = tuple(f"{name}." for name in wrapped)
-    for key, tensor in base.state_dict().items():
-        if not key.startswith(prefixes):
-            out[key] = tensor
-    return {key: tensor.detach().clone().contiguous() for key, tensor in out.items()}
+    skip: tuple[str, ...] = ()
+    for raw, module in base_of(model).named_modules():
+        if skip and raw.startswith(skip):
+            continue
+        name = plain_name(f"{raw}.") if raw else ""  # "model.layers.0." ...
+        if hasattr(module, "base_layer"):  # an adapter-wrapped linear: its merged weight, its base bias
+            skip = (f"{raw}.",)
+            yield f"{name}weight", _merged(module)
+            if module.base_layer.bias is not None:
+                yield f"{name}bias", whole(module.base_layer.bias)
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            yield f"{name}{pname}", whole(param)
+        for bname, buf in module.named_buffers(recurse=False):
+            if bname not in module._non_persistent_buffers_set:
+                yield f"{name}{bname}", whole(buf)
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """`merged_weights` as a dict of detached contiguous copies (the whole model at once: for tests and one-off
+    exports, not for the per-step publish)."""
+    return {name: tensor.clone().contiguous() for name, tensor in merged_weights(model)}
