@@ -113,6 +113,14 @@ def cpu_model() -> str:
     return lines[0] if lines else platform.machine()
 
 
+def machine(load_before) -> dict:
+    """The machine a memory benchmark ran on: CPU model, cores, torch, the load average before and after."""
+    import torch
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in os.getloadavg()]}
+
+
 def table(result: dict) -> str:
     cols = ("param_bytes", "grad_bytes", "adamw_state_bytes", "params+adamw", "peak_rss_bytes")
     lines = [f"{'arm':6} {'rank':>4} " + " ".join(f"{c.removesuffix('_bytes') + ' MiB':>18}" for c in cols)]
@@ -125,8 +133,6 @@ def table(result: dict) -> str:
 
 def main() -> None:
     import tempfile
-
-    import torch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
@@ -144,10 +150,7 @@ def main() -> None:
         "arms": arms,
         "fsdp2_over_ddp": {k: round(fsdp[k] / ddp[k], 3) for k in ("param_bytes", "grad_bytes", "adamw_state_bytes",
                                                                    "peak_rss_bytes")},
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-                    "load_before": [round(x, 2) for x in load_before],
-                    "load_after": [round(x, 2) for x in os.getloadavg()]},
-        "wall_s": round(time.time() - start, 1),
+        "machine": machine(load_before), "wall_s": round(time.time() - start, 1),
     }  # fmt: skip
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))

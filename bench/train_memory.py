@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from fsdp_memory import cpu_model, machine  # noqa: E402  (bench/ is the script's directory)
 OUT = ROOT / "bench" / "results" / "train_memory.json"
 LLAMA = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12, "num_attention_heads": 16,
          "num_key_value_heads": 16, "max_position_embeddings": 512, "tie_word_embeddings": False}  # fmt: skip
@@ -129,12 +129,6 @@ def ratios(runs: list[dict]) -> dict:
     return out
 
 
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    lines = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
-    return lines[0] if lines else platform.machine()
-
-
 def main() -> None:
     if sys.argv[1:2] == ["--entry"]:
         return entry(sys.argv[2:])
@@ -157,16 +151,11 @@ def main() -> None:
             runs += [run_arm(name, flags, tmp / "model", tmp, rep) for name, flags in ARMS.items()]
         if a.vllm:
             runs += [run_arm(name, flags, tmp / "model", tmp, 1) for name, flags in VLLM_ARMS.items()]
-    import torch
-
     result = {
         "what": "peak RSS (ru_maxrss) per process of whole train.py runs, 2 CPU processes (torchrun), DDP vs FSDP2",
         "llama_config": LLAMA, "parameters": n_params, "train_flags": TRAIN, "env": ENV,
         "runs": runs, "after (this script)": ratios(runs), "before (issue 41)": BEFORE,
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-                    "load_before": [round(x, 2) for x in load_before],
-                    "load_after": [round(x, 2) for x in os.getloadavg()]},
-        "wall_s": round(time.time() - start, 1),
+        "machine": machine(load_before), "wall_s": round(time.time() - start, 1),
     }  # fmt: skip
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     for k, v in result["after (this script)"].items():

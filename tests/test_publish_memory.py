@@ -48,7 +48,6 @@ def driver(out: Path) -> None:
     import gc
     import os
 
-    import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 

@@ -96,7 +96,8 @@ numeric_fault_ignored = does_nothing(
 
 def load_without_copy(orig):
     """RolloutWorker._load takes the published snapshot and records its version but never copies the weights into
-    the generator's model (the generator keeps sampling with its starting weights)."""
+    the generator's model, nor hands a vLLM engine the version's checkpoint (the generator keeps sampling with its
+    starting weights; the vLLM sampler, asked for a version it was never given, stops the run)."""
 
     def _load(self, version):
         self.store.take(version)
