@@ -88,6 +88,14 @@ def test_dora_and_lora_bias_are_refused(flag):
         merged_state_dict(model)
 
 
+def test_embedding_lora_is_refused():
+    """A LoRA on the embedding keeps its delta in lora_embedding_A/B, which the merge does not read: refused."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]))
+    assert "LoRA on an embedding" in unmergeable(model)
+
+
 def test_checkpoint_files_hold_the_merged_weights_in_buckets(tmp_path):
     """`write_checkpoint`: the merged weights in safetensors files of about one bucket each, transformers' index
     naming every tensor's file, the tied head a copy; a process that is not the writer writes nothing."""

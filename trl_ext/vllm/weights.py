@@ -3,7 +3,8 @@ with every adapter merged at its current scale, streamed one module at a time (`
 
 - PEFT LoRA (``peft.tuners.lora.LoraLayer``): ``W + sum_a s_a B_a A_a`` over the active adapters, transposed for
   fan_in_fan_out (PEFT's ``get_delta_weight``, `lora_delta`), as TRL's colocate sync merges them. DoRA and
-  ``lora_bias`` change the merge (a magnitude vector, a bias delta): refused (`unmergeable`).
+  ``lora_bias`` change the merge (a magnitude vector, a bias delta), and an embedding's LoRA keeps its delta in
+  ``lora_embedding_A/B``: refused (`unmergeable`).
 - The project's dual LoRA (``trl_ext.routing.adapters.DualLoRALinear``): ``W + sum_side scale * s * B A`` at the
   sides' current ``retain_scale`` / ``forget_scale`` (both 1 while training), as its ``weight`` property.
 - MLP adapters (``DualMLPAdapter``) add neurons a fixed vLLM model cannot hold: refused.
@@ -37,11 +38,15 @@ def unmergeable(model: nn.Module) -> str | None:
             return f"{name} is an MLP adapter (--mlp_config): its neurons cannot merge into the base model's MLP"
         if "modules_to_save" in name:
             return f"{name}: PEFT modules_to_save are not merged for vLLM"
+        if not hasattr(module, "lora_A"):  # not a PEFT LoRA layer
+            continue
+        adapters = module.active_adapters
         for flag, what in (("use_dora", "a DoRA adapter (its magnitude vector rescales the merged weight)"),
                            ("lora_bias", "a LoRA bias (lora_bias=True adds a bias delta)")):  # fmt: skip
-            peft = hasattr(module, "lora_A")
-            if peft and any(getattr(module, flag, {}).get(a, False) for a in module.active_adapters):
+            if any(getattr(module, flag, {}).get(a, False) for a in adapters):
                 return f"{name} is {what}: not merged for vLLM; use plain LoRA"
+        if any(a in getattr(module, "lora_embedding_A", {}) for a in adapters):
+            return f"{name} is a LoRA on an embedding: not merged for vLLM; target the linear layers"
     return None
 
 
