@@ -92,7 +92,6 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
         print(f"round {r}: " + ", ".join(f"{n} {v[-1]:.3f} s" for n, v in times.items()), flush=True)
     load_after = os.getloadavg()[0]
-    engine.close()
     samples = {n: [a.batch / t for t in v] for n, v in times.items()}
     ratios = {f"{n}/vllm": [t / v for t, v in zip(times[n], times["vllm"], strict=True)] for n in ("fast", "trl")}
     result = {"model": "builtin", "batch": a.batch, "tokens": a.tokens, "threads": a.threads, "rounds": a.rounds,

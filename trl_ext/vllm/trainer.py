@@ -83,7 +83,7 @@ class VLLMMixin:
         if use_vllm and getattr(config, "max_async_level", 0) >= 1:
             self.vllm_offpolicy = True
             config = copy.copy(config)
-            config.use_vllm = False  # TRL starts no engine of its own; the generator's is `rollout_sampler`'s
+            config.use_vllm = False  # TRL starts no engine of its own; the generator's is `rollout_engine`'s
             if "args" in kwargs:
                 kwargs["args"] = config
             else:
