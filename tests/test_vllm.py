@@ -139,7 +139,7 @@ def test_fsdp2_k0_routed_distilled(vllm_runs_x2):
     teacher's distillation reward and the routing eval (the trainer's own generation at each mode's scales). Each
     process's colocate engine receives the merged weights streamed from the FSDP2 shards at every step: vLLM's
     sampling log-probs stay at float error from the sharded trainer's while the policy moves (lr 3e-3; measured
-    5.0e-7 and 5.6e-7)."""
+    5.0e-7 and 5.6e-7; with the sync switched off, the sabotage row `vllm_sync_k0`, step 2's gap is 9.8e-3)."""
     run_dir, logs, log = read_run(vllm_runs_x2, "x2_fsdp_k0_routed")
     gaps = [r["sampling/sampling_logp_difference/mean"] for r in logs]
     assert len(logs) == 2 and max(gaps) < LAG0_BOUND, gaps

@@ -13,7 +13,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from trl_ext.generation.sampler import SamplingParams
 from trl_ext.routing.adapters import apply_dual_lora, set_scales
 from trl_ext.vllm.engine import VLLMSampler, _cut_at_stop
-from trl_ext.vllm.weights import merged_state_dict, unmergeable
+from trl_ext.vllm.weights import merged_weights, unmergeable
+
+
+def merged_state_dict(model) -> dict:
+    """`merged_weights` as a dict of copies (the whole model at once, as no publish holds it)."""
+    return {name: tensor.clone().contiguous() for name, tensor in merged_weights(model)}
 
 
 def tiny_llama(seed=0):

@@ -10,16 +10,14 @@ exists, so a rename cannot make a row vacuous.
 
 A switch removes exactly its mechanism and nothing else: a mask made all-True, a rename made a plain write, a
 restore made a no-op, the code around it running as before (no crash, no hang: a guard must notice wrong numbers).
-Replacements import what they need when called: this file is imported at interpreter start-up.
+The replacements live in ``tests/sabotage/replacements.py``; they import what they need when called: both files are
+imported at interpreter start-up.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 from collections.abc import Callable
-from contextlib import contextmanager
 from typing import Any
 
 VLLM_TIER_FILES = ("tests/test_vllm.py", "tests/test_vllm_matrix.py")
@@ -46,280 +44,49 @@ class Mechanism:
         return any(g.split("::")[0] in VLLM_TIER_FILES for g in self.guards)
 
 
-# ------------------------------------------------------------------------------------------ replacements
-def _rebinding(orig, **change: Callable[[dict], Any]):
-    """``orig`` with some arguments recomputed from the bound arguments before the call."""
-    sig = inspect.signature(orig)
-
-    @functools.wraps(orig)
-    def wrapper(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        arguments = bound.arguments
-        for name, fn in change.items():
-            arguments[name] = fn(arguments)
-        return orig(*bound.args, **bound.kwargs)
-
-    return wrapper
-
-
-def importance_without(doc: str, **off: float):
-    """A replacement of ``importance_loss`` that runs it with ``off`` in its config (one mask or clip off)."""
-
-    def replacement(orig):
-        return _rebinding(orig, cfg=lambda a: dataclasses.replace(a["cfg"], **off))
-
-    replacement.__doc__ = doc
-    return replacement
-
-
-def does_nothing(doc: str):
-    """A replacement whose callable returns None whatever it is given (a sync, a load, a restore, a check that does
-    nothing); ``doc`` says what that switches off."""
-
-    def replacement(orig):
-        def nothing(*args, **kwargs):
-            return None
-
-        return nothing
-
-    replacement.__doc__ = doc
-    return replacement
-
-
-noop_sync = does_nothing("sync_colocate does nothing (TRL's colocate engine keeps the starting weights).")
-noop_engine_load = does_nothing(
-    "VLLMEngine.load does nothing (the generator's engine keeps the weights it started from).")
-rng_not_restored = does_nothing(
-    "Trainer._load_rng_state (transformers) does nothing: a resumed run keeps the RNG state of its fresh start.")
-numeric_fault_ignored = does_nothing(
-    "CheckpointMixin.numeric_fault does nothing: a NaN / inf loss or gradient norm trains on.")
-
-def load_without_copy(orig):
-    """RolloutWorker._load takes the published snapshot and records its version but never copies the weights into
-    the generator's model, nor hands a vLLM engine the version's checkpoint (the generator keeps sampling with its
-    starting weights; the vLLM sampler, asked for a version it was never given, stops the run)."""
-
-    def _load(self, version):
-        self.store.take(version)
-        self.loaded_version = version
-
-    return _load
-
-
-def gather_whole_model_first(orig):
-    """merged_weights, as the publish reads it, gathers and merges every tensor of the model before yielding the
-    first (the whole model held at once on every process, as the publishes held it before they were streamed)."""
-
-    def merged_weights(model):
-        yield from list(orig(model))
-
-    return merged_weights
-
-
-def refresh_once(orig):
-    """FastSampler._refresh_weights builds the fused decode weights once and never refreshes them (the fast sampler
-    keeps the first policy's fused matrices after every weight load)."""
-
-    def _refresh_weights(self):
-        if self.weights is None:
-            orig(self)
-
-    return _refresh_weights
-
-
-def gather_nothing_for_publishes(orig):
-    """full_parameters of a sharded model with trainable_only (each publish to the generator) gathers as before (the
-    collective runs on every process) but returns nothing: the generator's plain copy keeps its starting weights."""
-
-    def full_parameters(model, trainable_only):
-        from trl_ext.offpolicy.sharded import is_sharded
-
-        state = orig(model, trainable_only)
-        return {} if trainable_only and is_sharded(model) else state
-
-    return full_parameters
-
-
-def _first_version(versions: list[list[int]]) -> list[list[int]]:
-    return [[seq[0]] * len(seq) if seq else [] for seq in versions]
-
-
-def stamp_first_version(orig):
-    """RolloutWorker._sample_batch stamps every token of a sequence with the version of its first token (in-flight
-    weight loads still happen; the versions no longer say so)."""
-
-    def _sample_batch(self, *args, **kwargs):
-        rollout = orig(self, *args, **kwargs)
-        rollout.versions = _first_version(rollout.versions)
-        return rollout
-
-    return _sample_batch
-
-
-def vllm_stamp_first_version(orig):
-    """VLLMSampler.sample stamps every token of a row with the version of its first chunk (the engine still reloads
-    between chunks; the versions no longer say so)."""
-
-    def sample(self, *args, **kwargs):
-        out = orig(self, *args, **kwargs)
-        out.versions[:] = _first_version(out.versions)
-        return out
-
-    return sample
-
-
-def kl_on_dropped_tokens(orig):
-    """reference_kl is given keep = the loss mask: tokens the IS masks drop get a KL term and its gradient."""
-    return _rebinding(orig, keep=lambda a: a["loss_mask"].bool())
-
-
-def unrouted_single_pass(orig):
-    """routing_mask sets no per-sample gradient masks (a plain context): the single-pass step trains both adapters
-    on every sample."""
-
-    @contextmanager
-    def routing_mask(model, good_mask, mode):
-        yield
-
-    return routing_mask
-
-
-def no_gradient_restore(orig):
-    """_gradients_kept restores nothing: the two-pass step's routed-away side keeps the gradient of the pass it must
-    not learn from."""
-
-    @contextmanager
-    def _gradients_kept(params):
-        yield
-
-    return _gradients_kept
-
-
-def unrouted_under_fsdp(orig):
-    """routed_backward under FSDP2 runs one plain backward of the whole loss (no routing); DDP unchanged."""
-
-    def routed_backward(trainer, loss_fn, inputs, is_bad, model):
-        if not trainer.is_fsdp_enabled:
-            return orig(trainer, loss_fn, inputs, is_bad, model)
-        loss = loss_fn(inputs)
-        trainer.accelerator.backward(loss)
-        return loss.detach()
-
-    return routed_backward
-
-
-def scales_unchanged(orig):
-    """The routing eval's scales() sets no adapter scales (a plain context): every eval mode samples the full
-    model."""
-
-    @contextmanager
-    def scales(model, retain, forget):
-        yield
-
-    return scales
-
-
-def no_context_ids(orig):
-    """encode_context returns no tokens: the teacher scores plain-text prompts without the context."""
-
-    def encode_context(tokenizer, text):
-        return []
-
-    return encode_context
-
-
-def chat_messages_unchanged(orig):
-    """teacher_messages returns the student's messages unchanged: the teacher of chat prompts sees no context."""
-
-    def teacher_messages(messages, context):
-        return [dict(m) for m in messages]
-
-    return teacher_messages
-
-
-def env_tokens_trained(orig):
-    """play_episodes returns env_mask all ones: environment tokens (replies, prefills, the closing EOS) are trained
-    on."""
-
-    def play_episodes(*args, **kwargs):
-        out = orig(*args, **kwargs)
-        out["env_mask"] = [[1] * len(mask) for mask in out["env_mask"]]
-        return out
-
-    return play_episodes
-
-
-def loss_mask_ignores_tool_mask(orig):
-    """loss_mask returns completion_mask alone: the project's losses, ratios, IS masks and teacher scores include
-    environment tokens."""
-
-    def loss_mask(batch):
-        return batch["completion_mask"]
-
-    return loss_mask
-
-
-def batches_not_skipped(orig):
-    """skip_first_batches (transformers.trainer's) skips nothing: a resumed run starts the data order over."""
-
-    def skip_first_batches(dataloader, num_batches=0):
-        return dataloader
-
-    return skip_first_batches
-
-
-def schedule_from_step_zero(orig):
-    """RolloutWorker.required_version ignores the step training resumed at (max(n - k, 0), not max(n - k, s)): a
-    resumed run asks for policies from before the checkpoint."""
-
-    def required_version(self, index):
-        return max(index - self.k, 0)
-
-    return required_version
-
-
-def prompts_from_batch_zero(orig):
-    """OffPolicyMixin._prompt_stream ignores the resume step: the generator's prompt batches start over at batch 0."""
-
-    def _prompt_stream(self, start):
-        return orig(self, 0)
-
-    return _prompt_stream
-
-
-def reward_unguarded(orig):
-    """guard_reward returns the reward function unwrapped: a computed NaN reaches TRL as a None would."""
-
-    def guard_reward(fn, name, faults=None):
-        return fn
-
-    return guard_reward
-
-
-def plain_write(orig):
-    """write_atomic writes the file in place (open, write), with no temporary file and no rename."""
-
-    def write_atomic(path, text):
-        with open(path, "w") as f:
-            f.write(text)
-
-    return write_atomic
-
-
-def marker_first(orig):
-    """CheckpointMixin._save_checkpoint writes the completion marker before the checkpoint's files."""
-
-    def _save_checkpoint(self, model, trial, *args, **kwargs):
-        import sys
-        from pathlib import Path
-
-        if self.args.should_save:
-            ckpt = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
-            ckpt.mkdir(parents=True, exist_ok=True)
-            sys.modules["trl_ext.runs.mixin"].mark_complete(ckpt, self.state.global_step)
-        return orig(self, model, trial, *args, **kwargs)
-
-    return _save_checkpoint
+def _load_replacements():
+    """``tests/sabotage/replacements.py`` by path (``tests/`` need not be importable; this file is loaded by path)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "_trl_ext_sabotage_replacements"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("replacements.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+_R = _load_replacements()
+importance_without = _R.importance_without
+does_nothing = _R.does_nothing
+load_without_copy = _R.load_without_copy
+gather_whole_model_first = _R.gather_whole_model_first
+refresh_once = _R.refresh_once
+gather_nothing_for_publishes = _R.gather_nothing_for_publishes
+stamp_first_version = _R.stamp_first_version
+vllm_stamp_first_version = _R.vllm_stamp_first_version
+kl_on_dropped_tokens = _R.kl_on_dropped_tokens
+unrouted_single_pass = _R.unrouted_single_pass
+no_gradient_restore = _R.no_gradient_restore
+unrouted_under_fsdp = _R.unrouted_under_fsdp
+scales_unchanged = _R.scales_unchanged
+no_context_ids = _R.no_context_ids
+chat_messages_unchanged = _R.chat_messages_unchanged
+env_tokens_trained = _R.env_tokens_trained
+loss_mask_ignores_tool_mask = _R.loss_mask_ignores_tool_mask
+batches_not_skipped = _R.batches_not_skipped
+schedule_from_step_zero = _R.schedule_from_step_zero
+prompts_from_batch_zero = _R.prompts_from_batch_zero
+reward_unguarded = _R.reward_unguarded
+plain_write = _R.plain_write
+marker_first = _R.marker_first
+noop_sync = _R.noop_sync
+noop_engine_load = _R.noop_engine_load
+rng_not_restored = _R.rng_not_restored
+numeric_fault_ignored = _R.numeric_fault_ignored
 
 
 # ------------------------------------------------------------------------------------------ the table
@@ -346,7 +113,8 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "docs/vllm.md: k = 0, TRL's colocate engine: weight sync every optimizer step, the merged weights reloaded "
       "(trl_ext/vllm/trainer.py sync_colocate)",
       "trl_ext.vllm.trainer", "sync_colocate", noop_sync,
-      ("tests/test_vllm.py::test_sync_takes_effect_at_k0", "tests/test_vllm.py::test_two_processes")),
+      ("tests/test_vllm.py::test_sync_takes_effect_at_k0", "tests/test_vllm.py::test_two_processes",
+       "tests/test_vllm.py::test_fsdp2_k0_routed_distilled")),
     M("vllm_load_k1",
       "docs/vllm.md: k >= 1, the generator's engine: every published policy reloaded (VLLMEngine.load)",
       "trl_ext.vllm.engine", "VLLMEngine.load", noop_engine_load,

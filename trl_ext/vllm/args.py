@@ -83,10 +83,10 @@ class VLLMArgs:
             if self.max_async_level >= 1 or (self.vllm_mode == "colocate" and self.vllm_tensor_parallel_size == 1):
                 import os
 
-                from trl_ext.vllm.placement import check_devices, engine_placement, local_processes
+                from trl_ext.vllm.placement import check_devices, check_memory_share, local_processes
 
                 check_devices(local_processes(os.environ), torch.cuda.device_count())
-                engine_placement(0, 1, torch.cuda.device_count(), self.vllm_gpu_memory_utilization)  # the share
+                check_memory_share(self.vllm_gpu_memory_utilization)
             if self.vllm_mode == "server" and self.max_async_level == 0 and self.dual_lora:
                 raise ConfigError("--vllm_mode server with dual adapters (--lora_config): TRL's server sync sends the "
                                   "dual "

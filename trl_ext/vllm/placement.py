@@ -35,9 +35,7 @@ def engine_placement(local_rank: int, processes: int, cuda_devices: int, memory_
     if cuda_devices == 0:
         return Placement("cpu")
     check_devices(local_rank + 1, cuda_devices)
-    if not 0.0 < memory_share < 1.0:
-        raise ConfigError(f"--vllm_gpu_memory_utilization {memory_share}: the engine shares its GPU with the trainer; "
-                          "give it a share in (0, 1)")  # fmt: skip
+    check_memory_share(memory_share)
     kwargs = {"distributed_executor_backend": "external_launcher"} if processes > 1 else {}
     return Placement(f"cuda:{local_rank}", kwargs)
 
@@ -48,6 +46,14 @@ def check_devices(local_processes: int, cuda_devices: int) -> None:
         raise ConfigError(f"--use_vllm: {local_processes} processes on this node and {cuda_devices} visible GPUs: each "
                           "process's engine needs its own device (set CUDA_VISIBLE_DEVICES or --nproc_per_node so "
                           "that they match)")  # fmt: skip
+
+
+def check_memory_share(memory_share: float) -> None:
+    """ConfigError when an engine's share of its GPU (``--vllm_gpu_memory_utilization``) is outside (0, 1): the
+    engine shares the device with the trainer."""
+    if not 0.0 < memory_share < 1.0:
+        raise ConfigError(f"--vllm_gpu_memory_utilization {memory_share}: the engine shares its GPU with the trainer; "
+                          "give it a share in (0, 1)")  # fmt: skip
 
 
 def local_processes(environ) -> int:

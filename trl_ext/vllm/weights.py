@@ -103,8 +103,3 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             if bname not in module._non_persistent_buffers_set:
                 yield f"{name}{bname}", whole(buf)
 
-
-def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """`merged_weights` as a dict of detached contiguous copies (the whole model at once: for tests and one-off
-    exports, not for the per-step publish)."""
-    return {name: tensor.clone().contiguous() for name, tensor in merged_weights(model)}
