@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TWO = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
 ONE_PROCESS_ONLY = {"rebuild_builtin", "continuous_batching"}
 UNSHARDED = {"routing", "distill", "offpolicy", "env", "sft", "fast", "saved_rollouts", "eval_loop", "vllm",
-             "continuous_batching"}  # fmt: skip
+             "continuous_batching", "serve"}  # fmt: skip
 FSDP2_TOO = {"saved_rollouts", "eval_loop", "routing", "distill", "offpolicy", "env", "fast", "sft",
-             "vllm"}  # fmt: skip
+             "vllm", "serve"}  # fmt: skip
 # parts that run under FSDP2 (not DeepSpeed; fast: at k >= 1 only, its check_args): test_procs_runs.py,
 # test_fsdp_features.py, test_fsdp_sft.py
 
@@ -37,13 +37,13 @@ def test_registries_list_the_parts():
     assert PROMPT_SOURCES.names() == ["dataset", "env", "stories"]
     assert GENERATION_SOURCES.names() == ["continuous_batching", "fast", "offpolicy", "trl", "vllm"]
     assert FEATURES.names() == ["distill", "env", "eval_loop", "lora", "offpolicy", "rebuild_builtin", "routing",
-                                "saved_rollouts", "sft"]  # fmt: skip
+                                "saved_rollouts", "serve", "sft"]  # fmt: skip
     with pytest.raises(ConfigError, match="unknown feature 'nope'; registered: distill, env"):
         FEATURES.get("nope")
     order = [p.name for p in registered()]  # the order refusals are asked in (train.py's order before registries)
     assert order == ["routing", "lora", "rebuild_builtin", "distill", "offpolicy", "env", "env", "sft", "fast",
                      "offpolicy", "saved_rollouts", "stories", "dataset", "eval_loop", "trl",
-                     "continuous_batching", "vllm"]  # fmt: skip
+                     "continuous_batching", "vllm", "serve"]  # fmt: skip
 
 
 @pytest.mark.parametrize("launch", [Launch(), Launch(2, "WORLD_SIZE"), Launch(sharding="FSDP"),

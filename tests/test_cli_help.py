@@ -85,7 +85,7 @@ def test_train_help_groups_trl_fields_apart_and_shows_project_defaults(train_hel
     assert "(default: 0.02)" in trl["--beta"]  # the project's default of a TRL field, stated
     assert "--gradient_routing" not in trl and "--max_async_level" not in trl
     feature_groups = [t for t in train_help if t not in (TRL_GROUP, "options")]
-    assert len(feature_groups) == 9, feature_groups  # run, 7 feature subpackages, monitoring
+    assert len(feature_groups) == 10, feature_groups  # run, 8 feature subpackages, monitoring
     assert list(train_help)[-1] == TRL_GROUP
     assert f"--{dataclasses.fields(ExtGRPOConfig)[0].name}" in "".join(" ".join(g) for g in train_help.values())
 

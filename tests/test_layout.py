@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("trl_ext", "environments", "rewards")
-FEATURES = ("routing", "offpolicy", "distill", "env", "models", "generation", "runs")
+FEATURES = ("routing", "offpolicy", "distill", "env", "models", "generation", "runs", "serve")
 
 
 def module_name(path: Path) -> str:

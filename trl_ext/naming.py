@@ -43,6 +43,9 @@ NOT_DEFINING = {
     "resume_from_checkpoint", "overwrite_run", "generation_batch_size", "eval_routing_steps", "logging_dir",
     "do_eval", "per_device_eval_batch_size", "num_generations_eval",  # TRL's eval loop (--eval_dataset)
     "parallelism",  # run_config.yaml's launch.parallelism: read from the prepared model, it describes the run
+    # where the servers are (trl_ext.serve): a resume may find them on other ports or hosts
+    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+    "vllm_request_timeout", "teacher_server_url",
 }  # fmt: skip
 NOT_IN_NAME = {"fsdp", "fsdp_config"}  # named by the launch tag (_fsdp2); a resume still compares them
 NOT_DEFINING_PREFIXES = ("logging_", "log_", "save_", "hub_", "push_to_hub", "dataloader_", "eval_", "wandb_")

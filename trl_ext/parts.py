@@ -138,6 +138,7 @@ MODULES = (
     "trl_ext.prompts",  # prompts: stories (the default), dataset; eval_loop
     "trl_ext.generation.trl_engine",  # generation: trl, continuous_batching
     "trl_ext.vllm.register",  # generation: vllm
+    "trl_ext.serve.register",  # serve (policy and teacher servers)
 )
 """The registering modules, in the order their parts are asked in (launch refusals, checks, building)."""
 

@@ -60,6 +60,29 @@ rng_not_restored = does_nothing(
 numeric_fault_ignored = does_nothing(
     "CheckpointMixin.numeric_fault does nothing: a NaN / inf loss or gradient norm trains on.")
 
+def gate_without_load(orig):
+    """VersionGate.enter (the server's version gate) never loads a checkpoint: it records the requested version and
+    answers with the weights the server holds (its start weights)."""
+
+    async def enter(self, version, load):
+        async def nothing():
+            return None
+
+        return await orig(self, version, nothing)
+
+    return enter
+
+
+def single_attempt(orig):
+    """retrying (the client's retry) sends each request once: a transient error (connection refused, 502/503/504)
+    fails at once."""
+
+    def retrying(send):
+        return send()
+
+    return retrying
+
+
 def load_without_copy(orig):
     """RolloutWorker._load takes the published snapshot and records its version but never copies the weights into
     the generator's model, nor hands a vLLM engine the version's checkpoint (the generator keeps sampling with its

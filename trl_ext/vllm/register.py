@@ -18,6 +18,8 @@ class VLLM(GenerationSource):
         return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
     def check(self, plan) -> None:
+        if plan.cfg.vllm_mode == "server":  # the server checked its model when it started
+            return
         import torch
 
         from trl_ext.models.arch import model_config

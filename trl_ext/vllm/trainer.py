@@ -8,6 +8,8 @@
   starts one nor recomputes old log-probs); the off-policy generator samples with its own `VLLMEngine`
   (`rollout_engine`), loading each published checkpoint (``trl_ext.vllm.publish``: written once per node per step,
   streamed from the trained, possibly FSDP2-sharded, model).
+- ``--vllm_mode server`` (either k): the policy's vLLM servers (``trl_ext.serve``) instead of an engine in process:
+  the same published checkpoints, written under the servers' weights directory, loaded by each request's version.
 """
 
 from __future__ import annotations
@@ -78,24 +80,34 @@ class VLLMMixin:
     def __init__(self, *args, **kwargs):
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         use_vllm = bool(getattr(config, "use_vllm", False))
+        servers = use_vllm and getattr(config, "vllm_mode", None) == "server"
         if use_vllm:
-            self.vllm_settings = cpu_settings() if not torch.cuda.is_available() else {}
-        if use_vllm and getattr(config, "max_async_level", 0) >= 1:
-            self.vllm_offpolicy = True
+            self.vllm_settings = cpu_settings() if not (torch.cuda.is_available() or servers) else {}
+        self.vllm_offpolicy = use_vllm and getattr(config, "max_async_level", 0) >= 1
+        if self.vllm_offpolicy or servers:
             config = copy.copy(config)
-            config.use_vllm = False  # TRL starts no engine of its own; the generator's is `rollout_engine`'s
+            config.use_vllm = False  # TRL starts no engine and no server client: `rollout_engine` / `_connect_servers`
             if "args" in kwargs:
                 kwargs["args"] = config
             else:
                 args = (*args[:2], config, *args[3:])
-        with _engine_dtype(self) if use_vllm and not self.vllm_offpolicy else nullcontext():
+        self.policy_replicas = None
+        with _engine_dtype(self) if use_vllm and not (self.vllm_offpolicy or servers) else nullcontext():
             super().__init__(*args, **kwargs)
+        if servers:
+            self._connect_servers()
         if use_vllm and self.accelerator.is_main_process:  # one line per run, not per process
-            where = ("the off-policy generator's engine" if self.vllm_offpolicy
-                     else f"TRL's {self.args.vllm_mode} engine ({getattr(self, 'vllm_dtype', 'the server dtype')})")
-            from vllm import __version__
+            if servers:
+                where = f"the vLLM servers {', '.join(r.url for r in self.policy_replicas)}"
+                print(f"vLLM generation: {where}, {'synchronous' if not self.vllm_offpolicy else 'off-policy'}; "
+                      f"{self.policy_servers_info[0]['dtype']}, max_model_len "
+                      f"{self.policy_servers_info[0]['max_model_len']}", flush=True)  # fmt: skip
+            else:
+                where = ("the off-policy generator's engine" if self.vllm_offpolicy
+                         else f"TRL's {self.args.vllm_mode} engine ({self.vllm_dtype})")
+                from vllm import __version__
 
-            print(f"vLLM generation: {where}; vllm {__version__}; {self.vllm_settings or 'CUDA'}", flush=True)
+                print(f"vLLM generation: {where}; vllm {__version__}; {self.vllm_settings or 'CUDA'}", flush=True)
         if use_vllm and (reason := unmergeable(self.model)) is not None:
             raise ConfigError(f"--use_vllm: the policy's adapters cannot be merged into the weights vLLM loads: "
                               f"{reason}")
@@ -103,11 +115,61 @@ class VLLMMixin:
             generation, trainer = self.vllm_generation, self
             generation.sync_weights = lambda: sync_colocate(generation, trainer.accelerator.unwrap_model(trainer.model))
 
+    def _connect_servers(self) -> None:
+        """``--vllm_mode server``: the policy's replicas (``trl_ext.serve``), checked (`check_replicas`: tokenizer,
+        max_model_len, log-prob mode, weights directory); at k = 0 TRL's ``vllm_generation`` becomes the project's
+        `ServerGeneration` (TRL's generation path, IS correction and sync points unchanged)."""
+        import os
+
+        from trl_ext.serve.args import server_urls
+        from trl_ext.serve.client import Replica
+        from trl_ext.serve.engine import ServerEngine, ServerGeneration, check_replicas
+        from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
+
+        urls = server_urls(self.args)
+        rank = self.accelerator.process_index
+        urls = urls[rank % len(urls):] + urls[: rank % len(urls)]  # each process starts its rows on another replica
+        self.policy_replicas = [Replica(u, os.environ.get("VLLM_API_KEY"), self.args.vllm_request_timeout)
+                                for u in urls]  # fmt: skip
+        config = base_of(self.accelerator.unwrap_model(self.model)).config
+        infos = check_replicas(self.policy_replicas, self.processing_class, self.max_completion_length + 1,
+                               "policy server", config)  # a longer prompt is the server's 400 answer: a ServerError
+        roots = {i["weights_dir"] for i in infos}
+        if len(roots) != 1 or None in roots:
+            raise ConfigError(f"the policy servers load checkpoints from {sorted(map(str, roots))}: start every one "
+                              "with the same TRL_EXT_WEIGHTS_DIR (layout.py does)")  # fmt: skip
+        self.policy_servers_info = infos
+        if self.vllm_offpolicy:
+            return
+        base = base_of(self.accelerator.unwrap_model(self.model))
+        publisher = CheckpointPublisher(self.accelerator, 0, model_bytes(base), root=roots.pop())
+        sampler = VLLMSampler(ServerEngine(self.policy_replicas), None)
+        self.use_vllm, self.vllm_mode, self._last_loaded_step = True, "server", -1
+        self.vllm_generation = ServerGeneration(self, sampler, publisher)
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # k = 0 with servers: the published checkpoints go with the run
+            generation = getattr(self, "vllm_generation", None)
+            if generation is not None and hasattr(generation, "publisher"):
+                generation.publisher.close()
+
     def rollout_engine(self, policy):
         """``(sampler, publisher)`` of the off-policy generator with ``--use_vllm``: a `VLLMSampler` over this
-        process's `VLLMEngine` and the checkpoint publisher (``trl_ext.vllm.publish``); None without it."""
+        process's `VLLMEngine`, or over the policy's servers (``--vllm_mode server``), and the checkpoint publisher
+        (``trl_ext.vllm.publish``); None without vLLM."""
         if not self.vllm_offpolicy:
             return None
+        if self.policy_replicas is not None:
+            from trl_ext.serve.engine import ServerEngine
+            from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
+
+            root = self.policy_servers_info[0]["weights_dir"]
+            publisher = CheckpointPublisher(self.accelerator, self.args.max_async_level, model_bytes(base_of(policy)),
+                                            root=root)  # fmt: skip
+            inflight = None if self.args.strict_async_level else self.args.vllm_inflight_tokens
+            return VLLMSampler(ServerEngine(self.policy_replicas), inflight), publisher
         from trl_ext.vllm.placement import engine_placement
         from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
 

@@ -1,0 +1,102 @@
+"""The flags of the vLLM servers (`ServeArgs`): the policy's servers are TRL's ``--vllm_mode server`` with TRL's
+``--vllm_server_base_url`` (one URL, or several comma-separated: the replicas) or ``--vllm_server_host`` /
+``--vllm_server_port``; the teacher's are ``--teacher_server_url``. `server_urls` and `check_reachable` are the
+parse-time side (a server that does not answer in ``--vllm_server_timeout`` seconds: exit 2 naming its URL)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from urllib.parse import urlparse
+
+from trl_ext.registry import ConfigError
+
+
+@dataclass
+class ServeArgs:
+    _argument_group_name = "vLLM servers (trl_ext.serve)"  # train.py --help group (cli_help.py)
+
+    vllm_request_timeout: float = field(
+        default=300.0,
+        metadata={"help": "Seconds a request to a vLLM server (--vllm_mode server, --teacher_server_url) may wait for "
+                  "its answer; a server that stops answering ends the run with an error naming it after this long "
+                  "(an unreachable one after one retry, 1 s later). A request is never dropped."},
+    )  # fmt: skip
+    teacher_server_url: str = field(
+        default="",
+        metadata={"help": "Distillation's teacher on vLLM servers (seed 002's --teacher_gpu_ids): one URL or several "
+                  "comma-separated, each a server of the teacher model started by layout.py (docs/layout.md). The "
+                  "teacher's log-probs of the student's tokens are the servers' prompt log-probs (temperature 1). "
+                  "Replaces --teacher_model; empty: the in-process teacher."},
+    )  # fmt: skip
+
+    @property
+    def policy_servers(self) -> bool:
+        return bool(self.use_vllm) and self.vllm_mode == "server"
+
+    def validate_serve(self) -> None:
+        """Raise ConfigError for server settings that cannot run or would be ignored (called by ExtGRPOConfig)."""
+        default = {f.name: f.default for f in fields(ServeArgs)}["vllm_request_timeout"]
+        if not self.vllm_request_timeout > 0:
+            raise ConfigError(f"--vllm_request_timeout must be > 0, got {self.vllm_request_timeout}")
+        if self.vllm_request_timeout != default and not (self.policy_servers or self.teacher_server_url):
+            raise ConfigError("--vllm_request_timeout applies to vLLM servers: --use_vllm --vllm_mode server or "
+                              "--teacher_server_url")
+        if self.policy_servers:
+            server_urls(self)
+        if not self.teacher_server_url:
+            return
+        server_urls(self, teacher=True)
+        if not (self.distill_on and self.teacher_tau > 0):
+            raise ConfigError("--teacher_server_url scores the teacher term of distillation: it needs "
+                              "--teacher_tau > 0")
+        if self.teacher_model:
+            raise ConfigError("--teacher_server_url is the teacher: drop --teacher_model (start the teacher server on "
+                              "that model: layout.py --teacher_model)")
+        if self.eval_baseline:
+            raise ConfigError("--eval_baseline samples the teacher in process: not with --teacher_server_url")
+        if self.temperature != 1.0:
+            raise ConfigError(f"--teacher_server_url: vLLM's prompt log-probs are at temperature 1 (they skip the "
+                              f"sampling processors), the run samples at --temperature {self.temperature}; use the "
+                              "in-process teacher or temperature 1")  # fmt: skip
+
+
+def _url(text: str, flag: str) -> str:
+    parsed = urlparse(text.strip())
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
+        raise ConfigError(f"{flag}: {text.strip()!r} is not a server URL (http://HOST:PORT)")
+    return text.strip().rstrip("/")
+
+
+def server_urls(cfg, teacher: bool = False) -> list[str]:
+    """The URLs of the policy's servers (``--vllm_server_base_url``, comma-separated, else
+    ``http://--vllm_server_host:--vllm_server_port``) or, with ``teacher``, of ``--teacher_server_url``."""
+    if teacher:
+        raw, flag = cfg.teacher_server_url, "--teacher_server_url"
+    elif cfg.vllm_server_base_url:
+        raw, flag = cfg.vllm_server_base_url, "--vllm_server_base_url"
+    else:
+        raw, flag = f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}", "--vllm_server_host/--vllm_server_port"
+    urls = [_url(u, flag) for u in raw.split(",") if u.strip()]
+    if not urls:
+        raise ConfigError(f"{flag} names no server")
+    if len(set(urls)) != len(urls):
+        raise ConfigError(f"{flag} names a server twice: {raw}")
+    return urls
+
+
+def check_reachable(urls: list[str], timeout: float, role: str) -> None:
+    """ConfigError naming the first of ``urls`` whose ``/health`` does not answer 200 within ``timeout`` seconds
+    (all polled together; a starting server answers once its model is loaded)."""
+    from trl_ext.serve.client import Replica
+
+    waiting = [Replica(u) for u in urls]
+    deadline = time.monotonic() + timeout
+    while waiting:
+        waiting = [r for r in waiting if not r.healthy(timeout=min(5.0, max(0.5, deadline - time.monotonic())))]
+        if waiting and time.monotonic() >= deadline:
+            raise ConfigError(f"{role} {waiting[0].url} did not answer GET /health within {timeout:g} s "
+                              "(--vllm_server_timeout): start it first (layout.py starts the servers and the trainer "
+                              "together: docs/layout.md)")  # fmt: skip
+        if waiting:
+            time.sleep(0.5)

@@ -1,0 +1,140 @@
+"""The trainer's side of a vLLM server (`Replica`): health, what it serves, sampling with per-token log-probs at a
+policy version, and scoring given tokens (prompt log-probs, for a teacher). Plain HTTP on vLLM's OpenAI-compatible
+``/v1/completions``; the version headers are ``trl_ext.serve.endpoint``'s.
+
+Faults fail loudly and name the replica (`ServerError`): a connection error or a 502/503/504 answer is retried once
+after `RETRY_PAUSE_S`, then raises; a request that gets no answer within ``timeout`` seconds raises (no retry: the
+server stopped answering). A request is never dropped: the batch is complete or the call raises. So a dead server
+ends the step within ``RETRY_PAUSE_S`` seconds and a hung one within ``timeout``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import requests
+
+from trl_ext.serve.endpoint import DIR_HEADER, INFO_PATH, VERSION_HEADER
+
+RETRY_PAUSE_S = 1.0
+"""Seconds between a failed request and its one retry."""
+_TRANSIENT_STATUS = (502, 503, 504)
+
+
+class ServerError(RuntimeError):
+    """A vLLM server failed a request (unreachable, no answer in time, an error answer): the message names it."""
+
+
+class Transient(Exception):
+    """A failure worth one retry (connection error, 502/503/504); ``error`` is what the caller raises after it."""
+
+    def __init__(self, error: ServerError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def retrying(send):
+    """``send()``, sent once more after `RETRY_PAUSE_S` when it raises `Transient`; the second failure raises."""
+    try:
+        return send()
+    except Transient:
+        time.sleep(RETRY_PAUSE_S)
+    return send()
+
+
+class Replica:
+    """One vLLM server at ``url`` (``http://host:port``). ``api_key``: vLLM's ``--api-key`` (sent as a Bearer
+    token); ``timeout``: seconds a request may wait for its answer."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 300.0) -> None:
+        self.url, self.api_key, self.timeout = url.rstrip("/"), api_key, timeout
+        self._local = threading.local()  # one HTTP session per thread (sessions are not shared between threads)
+        self.model: str | None = None  # the served model name (`info`)
+
+    def __repr__(self) -> str:
+        return f"vLLM server {self.url}"
+
+    def _session(self) -> requests.Session:
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+        return self._local.session
+
+    def _request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
+                 timeout: float | None = None) -> requests.Response:  # fmt: skip
+        headers = dict(headers or {})
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        timeout = self.timeout if timeout is None else timeout
+
+        def send() -> requests.Response:
+            try:
+                answer = self._session().request(method, self.url + path, json=body, headers=headers, timeout=timeout)
+            except requests.Timeout as e:
+                raise ServerError(f"{self} did not answer {path} within {timeout:g} s (--vllm_request_timeout)") from e
+            except requests.ConnectionError as e:
+                raise Transient(ServerError(f"{self} is unreachable ({path}): {e}")) from e
+            if answer.status_code in _TRANSIENT_STATUS:
+                raise Transient(ServerError(f"{self} answered {path} with {answer.status_code}: {answer.text[:500]}"))
+            if answer.status_code >= 400:
+                raise ServerError(f"{self} answered {path} with {answer.status_code}: {answer.text[:500]}")
+            return answer
+
+        try:
+            return retrying(send)
+        except Transient as e:
+            raise e.error from e
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        """Whether ``GET /health`` answers 200 within ``timeout`` seconds (no retry)."""
+        try:
+            return self._session().get(self.url + "/health", timeout=timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def info(self) -> dict:
+        """``GET /v1/trl_ext/info`` (``trl_ext.serve.endpoint``): model, max_model_len, logprobs mode, dtype, weights
+        directory, loaded version. A server without the project's middleware answers 404: a ServerError saying so."""
+        try:
+            info = self._request("GET", INFO_PATH).json()
+        except ServerError as e:
+            if " 404:" in str(e):
+                raise ServerError(f"{self} has no {INFO_PATH}: start it with --middleware "
+                                  "trl_ext.serve.endpoint.policy_versions (layout.py does)") from e
+            raise
+        self.model = info["served_model_name"]
+        return info
+
+    def tokenize(self, text: str) -> list[int]:
+        """The server's tokenizer on ``text`` (vLLM's ``/tokenize``, without special tokens)."""
+        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        return list(self._request("POST", "/tokenize", body).json()["tokens"])
+
+    def sample(self, prompt: list[int], *, max_tokens: int, temperature: float, seed: int | None,
+               stop_token_ids: list[int], version: int | None = None,
+               directory: str | None = None) -> tuple[list[int], list[float]]:  # fmt: skip
+        """(token ids, their sampling log-probs) of one continuation of ``prompt``, stopping at a token of
+        ``stop_token_ids`` (kept) or after ``max_tokens``; with ``version``, sampled by exactly that policy (its
+        checkpoint ``directory``), which the server confirms."""
+        body = {"model": self.model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": temperature,
+                "seed": seed, "logprobs": 0, "return_token_ids": True, "ignore_eos": True,
+                "stop_token_ids": list(stop_token_ids), "skip_special_tokens": False}  # fmt: skip
+        headers = {} if version is None else {VERSION_HEADER: str(version), DIR_HEADER: directory or ""}
+        answer = self._request("POST", "/v1/completions", body, headers)
+        if version is not None and answer.headers.get(VERSION_HEADER) != str(version):
+            raise ServerError(f"{self} served version {answer.headers.get(VERSION_HEADER)!r} for a request of "
+                              f"version {version}: it does not run trl_ext.serve.endpoint")  # fmt: skip
+        choice = answer.json()["choices"][0]
+        ids, logps = list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"])
+        if len(ids) != len(logps):
+            raise ServerError(f"{self} returned {len(ids)} tokens with {len(logps)} log-probs")
+        return ids, logps
+
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """The log-prob of each token of ``ids`` after the first, given the tokens before it (vLLM's prompt
+        log-probs: raw logits, temperature 1)."""
+        body = {"model": self.model, "prompt": list(ids), "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+        rows = self._request("POST", "/v1/completions", body).json()["choices"][0]["prompt_logprobs"]
+        if len(rows) != len(ids):
+            raise ServerError(f"{self} returned {len(rows)} prompt log-probs for {len(ids)} tokens")
+        return [row[str(tok)]["logprob"] for row, tok in zip(rows[1:], ids[1:], strict=True)]

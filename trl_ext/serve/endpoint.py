@@ -1,0 +1,157 @@
+"""The project's one addition to vLLM's own OpenAI-compatible server: policy versions on `/v1/completions`.
+
+It runs inside the server process, loaded with vLLM's documented ``--middleware trl_ext.serve.endpoint.policy_versions``
+(``vllm/entrypoints/serve/middleware/register.py``); everything else is vLLM's server as it ships. No dev mode: the
+arbitrary ``/collective_rpc`` route stays off, and the only weight operation a client can ask for is this one.
+
+A completion request may carry ``X-Policy-Version: v`` and ``X-Policy-Dir: DIR`` (the checkpoint of version v that
+the trainer published, ``trl_ext.vllm.publish``). The server then answers it with exactly version v: if another
+version is loaded, the request waits until no request of that version is running, the checkpoint is reloaded into
+every worker (vLLM's ``reload_weights``, prime-rl's path) and the prefix cache is reset. Requests of one version run
+together (a batch of several trainer processes shares the server), requests of different versions never overlap;
+a versioned request must not stream (its answer is sent once its generation has ended).
+The response repeats ``X-Policy-Version``: the version that served it, which the trainer checks against the one it
+stamps on the tokens.
+
+Security: the route is under ``/v1``, and it checks vLLM's own API keys (``--api-key`` or ``VLLM_API_KEY``) itself
+(middlewares added by ``--middleware`` run before vLLM's authentication). A directory is loaded only when it lies
+under ``TRL_EXT_WEIGHTS_DIR`` (the server's environment; unset, no weights are loaded): a client can choose a
+version among the checkpoints published there, not a file on the host. ``GET /v1/trl_ext/info`` tells a client what
+the server runs (model, loaded version, logprobs mode, max_model_len, weights directory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import secrets
+import time
+
+VERSION_HEADER = "X-Policy-Version"
+DIR_HEADER = "X-Policy-Dir"
+INFO_PATH = "/v1/trl_ext/info"
+WEIGHTS_ENV = "TRL_EXT_WEIGHTS_DIR"
+GATED_PATHS = ("/v1/completions",)
+SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "intermediate_size")  # fmt: skip
+"""The model config fields a policy server reports (``/v1/trl_ext/info``): the trainer's model must have the same."""
+
+
+def inside(directory: str, root: str) -> bool:
+    """Whether ``directory`` (resolved: no ``..`` or link escapes) lies strictly under ``root``."""
+    d, r = os.path.realpath(directory), os.path.realpath(root)
+    return d != r and os.path.commonpath([d, r]) == r
+
+
+def authorized(header: str | None, keys: list[str]) -> bool:
+    """vLLM's check (``AuthenticationMiddleware.verify_token``): a ``Bearer`` token equal to one of ``keys``, compared
+    in constant time; no keys, no check."""
+    if not keys:
+        return True
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(token.encode()).digest()
+    return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys)
+
+
+class VersionGate:
+    """The loaded version and the requests running on it: `enter(version, load)` waits until ``version`` is loaded
+    (loading it with ``load()`` once no request of another version runs), `leave()` ends a request. First come,
+    first served between versions: once a request waits for another version, later requests of the loaded one wait
+    behind it (no version starves)."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None  # None: the weights the server started with
+        self.pending: int | None = None  # the version the first waiting request needs
+        self.active = 0
+        self.loads = 0
+        self.load_seconds = 0.0
+        self.cond = asyncio.Condition()
+
+    async def enter(self, version: int, load) -> None:
+        async with self.cond:
+            while not (self.version == version and self.pending in (None, version)):
+                if self.pending is None:
+                    self.pending = version
+                if self.pending == version and self.active == 0:
+                    start = time.perf_counter()
+                    try:
+                        await load()
+                    finally:
+                        self.pending = None
+                        self.cond.notify_all()
+                    self.version, self.loads = version, self.loads + 1
+                    self.load_seconds += time.perf_counter() - start
+                    break
+                await self.cond.wait()
+            self.active += 1
+
+    async def leave(self) -> None:
+        async with self.cond:
+            self.active -= 1
+            self.cond.notify_all()
+
+
+def _keys(app) -> list[str]:
+    args = getattr(app.state, "args", None)
+    return [k for k in ((getattr(args, "api_key", None) or []) or [os.environ.get("VLLM_API_KEY")]) if k]
+
+
+def _gate(app) -> VersionGate:
+    if not hasattr(app.state, "trl_ext_gate"):
+        app.state.trl_ext_gate = VersionGate()
+    return app.state.trl_ext_gate
+
+
+async def policy_versions(request, call_next):
+    """vLLM ``--middleware``: the version gate of `/v1/completions` and ``GET /v1/trl_ext/info`` (module docstring)."""
+    from starlette.responses import JSONResponse
+
+    path = request.url.path
+    if path != INFO_PATH and (path not in GATED_PATHS or VERSION_HEADER.lower() not in request.headers):
+        return await call_next(request)
+    if not authorized(request.headers.get("Authorization"), _keys(request.app)):
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)
+    engine, gate, root = request.app.state.engine_client, _gate(request.app), os.environ.get(WEIGHTS_ENV)
+    if path == INFO_PATH:
+        config = engine.model_config
+        shape = {k: getattr(config.hf_config, k, None) for k in SHAPE_KEYS}
+        return JSONResponse({"model": config.model, "served_model_name": config.served_model_name, "shape": shape,
+                             "max_model_len": config.max_model_len, "logprobs_mode": config.logprobs_mode,
+                             "dtype": str(config.dtype).removeprefix("torch."), "weights_dir": root,
+                             "version": gate.version, "loads": gate.loads,
+                             "load_seconds": round(gate.load_seconds, 4)})  # fmt: skip
+    try:
+        version = int(request.headers[VERSION_HEADER])
+    except ValueError:
+        return JSONResponse({"error": f"{VERSION_HEADER} must be an integer"}, status_code=400)
+    directory = request.headers.get(DIR_HEADER, "")
+    if gate.version != version:
+        if not root:
+            return JSONResponse({"error": f"this server loads no weights: it was started without {WEIGHTS_ENV}"},
+                                status_code=403)
+        if not inside(directory, root) or not os.path.isdir(directory):
+            return JSONResponse({"error": f"{DIR_HEADER} {directory!r} is not a checkpoint under {WEIGHTS_ENV}"},
+                                status_code=403)
+
+    async def load():
+        await engine.collective_rpc("reload_weights",
+                                    kwargs={"weights_path": directory, "is_checkpoint_format": True})
+        await engine.reset_prefix_cache()
+
+    try:
+        streamed = bool((await request.json()).get("stream"))
+    except ValueError:
+        streamed = False  # vLLM answers the malformed body itself
+    if streamed:
+        return JSONResponse({"error": f"{VERSION_HEADER} needs a non-streamed request (the version must stay loaded "
+                                      "until its last token)"}, status_code=400)  # fmt: skip
+    await gate.enter(version, load)
+    try:  # a non-streamed answer starts once its generation has ended (vLLM's handler returns the whole response)
+        response = await call_next(request)
+    finally:
+        await gate.leave()
+    response.headers[VERSION_HEADER] = str(version)
+    return response

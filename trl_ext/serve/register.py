@@ -1,0 +1,34 @@
+"""Registration of the vLLM servers (`trl_ext.parts.FEATURES` "serve": TRL's ``--vllm_mode server`` with the
+project's server engine, and ``--teacher_server_url``): at parse time every server must answer ``/health`` within
+``--vllm_server_timeout`` seconds (exit 2 naming the URL), before any model loads."""
+
+from __future__ import annotations
+
+from trl_ext.parts import FEATURES, Feature
+from trl_ext.serve.args import ServeArgs
+
+
+class Serve(Feature):
+    """Policy and teacher servers (``trl_ext.serve``), from one trainer process or several (DDP, FSDP2: the weights
+    are published once per step, streamed from the shards). Not under DeepSpeed: not run there."""
+
+    what = "vLLM servers"
+    flags = ServeArgs
+
+    def selected(self, run, cfg) -> bool:
+        return cfg.policy_servers or bool(cfg.teacher_server_url)
+
+    def supports(self, launch) -> str | None:
+        return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
+
+    def check(self, plan) -> None:
+        from trl_ext.serve.args import check_reachable, server_urls
+
+        cfg = plan.cfg
+        if cfg.policy_servers:
+            check_reachable(server_urls(cfg), cfg.vllm_server_timeout, "policy server")
+        if cfg.teacher_server_url:
+            check_reachable(server_urls(cfg, teacher=True), cfg.vllm_server_timeout, "teacher server")
+
+
+FEATURES.add("serve", Serve())
