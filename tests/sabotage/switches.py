@@ -127,7 +127,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "version's checkpoint before answering (trl_ext/serve/endpoint.py)",
       "trl_ext.serve.endpoint", "VersionGate.enter", gate_without_load,
       ("tests/test_serve.py::test_version_gate_runs_one_version_at_a_time",
-       "tests/test_serve_vllm.py::test_k0_server_sync_kill_and_resume")),
+       "tests/test_serve_vllm.py::test_seed_002_layout_killed_and_resumed")),
     M("serve_retry",
       "docs/layout.md: a connection error or a 502/503/504 answer is retried once after 1 s",
       "trl_ext.serve.client", "retrying", single_attempt,
