@@ -5,8 +5,9 @@ torchrun), on one machine. The ids are GPUs on a CUDA machine and CPU cores on o
 Each server is vLLM's own OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``) with the
 project's version gate (``--middleware trl_ext.serve.endpoint.policy_versions``), on ``--host`` (loopback unless asked
 otherwise, and then only with ``VLLM_API_KEY`` set), loading checkpoints only from the run's weights directory. The
-launcher waits for every server's ``/health``, starts ``torchrun train.py`` with the servers' URLs, and when any part
-exits or fails stops the others (their whole process groups: SIGTERM, then SIGKILL after `GRACE_S`).
+launcher starts ``torchrun train.py`` with the servers' URLs beside them (train.py waits for every server's
+``/health`` before it loads anything), watches every part, and when any part exits or fails stops the others
+(their whole process groups: SIGTERM, then SIGKILL after `GRACE_S`).
 """
 
 from __future__ import annotations
@@ -171,14 +172,14 @@ def plan_layout(args: LayoutArgs, train_argv: list[str], cuda: bool, environ=os.
     flags = [*train_argv, "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url",
              ",".join(urls[: args.inference_dp])]  # fmt: skip
     flags += ["--teacher_server_url", urls[-1]] if teacher else []
-    check = flags + ["--vllm_server_timeout", "1"] * ("--vllm_server_timeout" not in train_argv)
-    cfg, _ = parser().parse_known_args(check)  # the values layout.py reads (argparse: model, teacher_tau, seed ...)
+    flags += ["--vllm_server_timeout", f"{args.server_timeout:g}"] * ("--vllm_server_timeout" not in train_argv)
+    cfg, _ = parser().parse_known_args(flags)  # the values layout.py reads (argparse: model, teacher_tau, seed ...)
     run = cfg
     if bool(teacher) != (cfg.teacher_tau > 0):
         raise ConfigError("--teacher_gpu_ids starts the teacher of distillation: give it exactly when train.py's "
                           f"--teacher_tau > 0 (got --teacher_tau {cfg.teacher_tau})")
     if len(trainer) == 1:  # every check of train.py now; several processes are checked under torchrun (a process
-        parser().parse_args_into_dataclasses(args=check, return_remaining_strings=True)  # group needs them all)
+        parser().parse_args_into_dataclasses(args=flags, return_remaining_strings=True)  # group needs them all)
     servers = [ServerSpec("policy", i, model_source(run.model), args.port + i, inference[i * size:(i + 1) * size])
                for i in range(args.inference_dp)]  # fmt: skip
     if teacher:
@@ -262,32 +263,17 @@ def run_layout(layout: Layout, args: LayoutArgs, say=print) -> int:
                 proc = subprocess.Popen(s.command, env=s.env, stdout=f, stderr=subprocess.STDOUT,
                                         start_new_session=True)  # fmt: skip
             running.append((s, proc, log))
-        deadline = time.monotonic() + args.server_timeout
-        waiting = list(running)
-        while waiting:
-            for item in list(waiting):
-                s, proc, log = item
-                if proc.poll() is not None:
-                    say(f"layout: the {s.role} server {s.url} exited with code {proc.returncode} before it was "
-                        f"healthy; its log {log} ends:\n{_tail(log)}")
-                    return 1
-                if Replica(s.url).healthy(timeout=2.0):
-                    waiting.remove(item)
-            if waiting and time.monotonic() > deadline:
-                say(f"layout: the {waiting[0][0].role} server {waiting[0][0].url} was not healthy within "
-                    f"{args.server_timeout:g} s (--server_timeout); its log {waiting[0][2]} ends:\n"
-                    f"{_tail(waiting[0][2])}")
-                return 1
-            if waiting:
-                time.sleep(1.0)
-        say(f"layout: {len(running)} server(s) healthy; trainer on {'GPUs' if layout.cuda else 'CPU cores'} "
-            f"{','.join(map(str, layout.trainer_devices))}: {shlex.join(layout.trainer)}")
         env = dict(os.environ)
         if layout.cuda:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, layout.trainer_devices))
         cores = None if layout.cuda else set(layout.trainer_devices)
+        # started now: its imports overlap the servers' start, and train.py waits for every server's /health before
+        # it loads anything (its parse-time check, --vllm_server_timeout = --server_timeout)
         trainer = subprocess.Popen(layout.trainer, env=env, start_new_session=True,
                                    preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)  # fmt: skip
+        say(f"layout: trainer on {'GPUs' if layout.cuda else 'CPU cores'} {','.join(map(str, layout.trainer_devices))}"
+            f", training once every server answers /health: {shlex.join(layout.trainer)}")
+        deadline, healthy = time.monotonic() + args.server_timeout, set()
         while True:
             code = trainer.poll()
             if code is not None:
@@ -295,10 +281,19 @@ def run_layout(layout: Layout, args: LayoutArgs, say=print) -> int:
                 return code
             for s, proc, log in running:
                 if proc.poll() is not None:
-                    say(f"layout: the {s.role} server {s.url} exited with code {proc.returncode} during training; "
-                        f"stopping the trainer (its last checkpoint resumes the run). Its log {log} ends:\n"
-                        f"{_tail(log)}")
+                    when = "during training" if s.url in healthy else "before it was healthy"
+                    say(f"layout: the {s.role} server {s.url} exited with code {proc.returncode} {when}; stopping the "
+                        f"trainer (its last checkpoint resumes the run). Its log {log} ends:\n{_tail(log)}")
                     return 1
+                if s.url not in healthy and Replica(s.url).healthy(timeout=1.0):
+                    healthy.add(s.url)
+                    if len(healthy) == len(running):
+                        say(f"layout: {len(running)} server(s) healthy")
+            if len(healthy) < len(running) and time.monotonic() > deadline:
+                s, _, log = next(item for item in running if item[0].url not in healthy)
+                say(f"layout: the {s.role} server {s.url} was not healthy within {args.server_timeout:g} s "
+                    f"(--server_timeout); its log {log} ends:\n{_tail(log)}")
+                return 1
             time.sleep(1.0)
     finally:
         signal.signal(signal.SIGTERM, previous)
