@@ -234,22 +234,30 @@ def test_server_urls_and_their_refusals():
         _cfg(use_vllm=True, vllm_mode="server", vllm_server_base_url="a:1")
 
 
+SERVERS = {"use_vllm": True, "vllm_mode": "server"}
+TEACHER = {"teacher_server_url": "http://a:1", "teacher_tau": 1.0, "temperature": 1.0}
+
+
 @pytest.mark.parametrize("kw, match", [
-    ({"use_vllm": True, "vllm_mode": "server", "top_p": 0.9}, "top_p"),
-    ({"use_vllm": True, "vllm_mode": "server", "vllm_enforce_eager": True}, "server's own setting"),
-    ({"use_vllm": True, "vllm_mode": "server", "vllm_max_model_length": 64}, "server's own setting"),
+    ({**SERVERS, "top_p": 0.9}, "top_p"),
+    ({**SERVERS, "vllm_enforce_eager": True}, "server's own setting"),
+    ({**SERVERS, "vllm_max_model_length": 64}, "server's own setting"),
+    ({**SERVERS, "vllm_group_port": 5}, "server engine does not read it"),
+    ({**SERVERS, "vllm_structured_outputs_regex": "a+"}, "server engine does not read it"),
     ({"vllm_request_timeout": 5.0}, "applies to vLLM servers"),
-    ({"teacher_server_url": "http://a:1", "teacher_tau": 1.0}, "temperature 1"),
-    ({"teacher_server_url": "http://a:1", "teacher_tau": 1.0, "teacher_model": "builtin"}, "drop --teacher_model"),
-    ({"teacher_server_url": "http://a:1"}, "--teacher_tau > 0"),
+    ({"vllm_server_port": 9}, "applies only with --use_vllm --vllm_mode server"),
+    ({"vllm_server_timeout": 9.0}, "applies only with --use_vllm --vllm_mode server"),
+    ({**TEACHER, "temperature": 0.7}, "temperature 1"),
+    ({**TEACHER, "teacher_model": "builtin"}, "drop --teacher_model"),
+    ({**TEACHER, "teacher_tau": 0.0}, "--teacher_tau > 0"),
 ])  # fmt: skip
 def test_server_flags_refused(kw, match):
-    if "teacher_server_url" in kw and "temperature" not in match:
-        kw = {**kw, "temperature": 1.0}
-    if match == "temperature 1":
-        kw = {**kw, "temperature": 0.7}
     with pytest.raises(ConfigError, match=match):
         _cfg(**kw)
+
+
+def test_teacher_server_waits_with_the_servers_timeout():
+    assert _cfg(**TEACHER, vllm_server_timeout=9.0).vllm_server_timeout == 9.0  # its own health check reads it
 
 
 def test_unreachable_server_exits_2_before_any_model_loads(tmp_path):

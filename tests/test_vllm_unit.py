@@ -234,6 +234,8 @@ def test_stop_sequences_cut_rows_across_chunks():
     (True, ["--use_vllm", "--max_async_level", "1", "--vllm_mode", "server", "--vllm_server_port", "9",
             "--vllm_server_timeout", "1"], "policy server http://0.0.0.0:9 did not answer GET /health within 1 s"),
     (True, ["--use_vllm", "--max_async_level", "1", "--vllm_enable_sleep_mode"], "--vllm_enable_sleep_mode needs CUDA"),
+    (True, ["--use_vllm", "--max_async_level", "1", "--vllm_importance_sampling_cap", "2"],
+     "the off-policy generator's engine does not read it"),
     (True, ["--use_vllm", "--vllm_inflight_tokens", "4"], "--vllm_inflight_tokens is used only with"),
     (True, ["--use_vllm", "--vllm_gpu_memory_utilization", "0.5"], "has no effect on CPU"),
     (True, ["--use_vllm", "--max_async_level", "1", "--strict_async_level", "--vllm_inflight_tokens", "4"],

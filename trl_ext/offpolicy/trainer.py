@@ -80,8 +80,9 @@ class OffPolicyMixin:
             self._generation_template = generation_copy(model)
         if self.vllm_offpolicy:
             servers = self.args.vllm_mode == "server"
-            print(f"off-policy generator: {'the vLLM servers' if servers else 'a vLLM engine'} (--use_vllm; "
-                  f"trl_ext.{'serve' if servers else 'vllm'}.engine)", flush=True)
+            if self.accelerator.is_main_process:  # one line per run
+                print(f"off-policy generator: {'the vLLM servers' if servers else 'a vLLM engine'} (--use_vllm; "
+                      f"trl_ext.{'serve' if servers else 'vllm'}.engine)", flush=True)
         else:
             backend = self.args.generation_backend
             print(f"off-policy generator: {DESCRIPTIONS[backend]} (--generation_backend {backend})", flush=True)

@@ -9,7 +9,12 @@ import time
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlparse
 
+from trl import GRPOConfig
+
 from trl_ext.registry import ConfigError
+
+_ADDRESSES = ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout")
+"""TRL's fields that name the policy servers and how long to wait for them (the timeout last)."""
 
 
 @dataclass
@@ -44,6 +49,13 @@ class ServeArgs:
                               "--teacher_server_url")
         if self.policy_servers:
             server_urls(self)
+        else:
+            defaults = {f.name: f.default for f in fields(GRPOConfig)}
+            addresses = _ADDRESSES if not self.teacher_server_url else _ADDRESSES[:-1]  # the timeout: its health too
+            for name in addresses:
+                if getattr(self, name) != defaults[name]:
+                    raise ConfigError(f"--{name} addresses the policy's vLLM servers: it applies only with --use_vllm "
+                                      "--vllm_mode server")
         if not self.teacher_server_url:
             return
         server_urls(self, teacher=True)

@@ -25,11 +25,18 @@ PROBE_TEXT = "Once upon a time, 42 + 7 = 49. <answer> ok </answer>"
 """Text both tokenizers must split alike (`check_replicas`)."""
 
 
+_POOL: ThreadPoolExecutor | None = None
+"""The request threads, kept for the process: each keeps its HTTP session (`Replica`), so connections are reused
+from batch to batch."""
+
+
 def _map(fn, items: list) -> list:
+    global _POOL
     if len(items) <= 1:
         return [fn(x) for x in items]
-    with ThreadPoolExecutor(min(len(items), MAX_CONCURRENT)) as pool:
-        return list(pool.map(fn, items))  # the first failure raises here: no row is dropped
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(MAX_CONCURRENT, thread_name_prefix="trl_ext_serve")
+    return list(_POOL.map(fn, items))  # the first failure raises here: no row is dropped
 
 
 class ServerEngine:
@@ -105,6 +112,7 @@ class ServerGeneration:
     def __init__(self, trainer, sampler, publisher) -> None:
         self.trainer, self.sampler, self.publisher = trainer, sampler, publisher
         self._calls = (None, 0)  # (version, generate calls at that version): seeds that a resumed run repeats
+        self._params = None  # the trainer's sampling settings, read at the first generation
 
     def sync_weights(self) -> None:
         t = self.trainer
@@ -121,9 +129,9 @@ class ServerGeneration:
         call = self._calls[1] if self._calls[0] == version else 0
         self._calls = (version, call + 1)
         rng = torch.Generator().manual_seed(hash((t.args.seed, t.accelerator.process_index, version, call)) % 2**63)
+        self._params = self._params or t.rollout_sampling_params()
         with profiler or nullcontext():
-            out = self.sampler.sample([list(p) for p in prompts], t.rollout_sampling_params(), rng,
-                                      before_step=lambda _: version)  # fmt: skip
+            out = self.sampler.sample([list(p) for p in prompts], self._params, rng, before_step=lambda _: version)
         return prompts, out.completion_ids, [[[lp] for lp in row] for row in out.logprobs], None
 
 

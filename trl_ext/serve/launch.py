@@ -174,16 +174,15 @@ def plan_layout(args: LayoutArgs, train_argv: list[str], cuda: bool, environ=os.
     flags += ["--teacher_server_url", urls[-1]] if teacher else []
     flags += ["--vllm_server_timeout", f"{args.server_timeout:g}"] * ("--vllm_server_timeout" not in train_argv)
     cfg, _ = parser().parse_known_args(flags)  # the values layout.py reads (argparse: model, teacher_tau, seed ...)
-    run = cfg
     if bool(teacher) != (cfg.teacher_tau > 0):
         raise ConfigError("--teacher_gpu_ids starts the teacher of distillation: give it exactly when train.py's "
                           f"--teacher_tau > 0 (got --teacher_tau {cfg.teacher_tau})")
     if len(trainer) == 1:  # every check of train.py now; several processes are checked under torchrun (a process
         parser().parse_args_into_dataclasses(args=flags, return_remaining_strings=True)  # group needs them all)
-    servers = [ServerSpec("policy", i, model_source(run.model), args.port + i, inference[i * size:(i + 1) * size])
+    servers = [ServerSpec("policy", i, model_source(cfg.model), args.port + i, inference[i * size:(i + 1) * size])
                for i in range(args.inference_dp)]  # fmt: skip
     if teacher:
-        servers.append(ServerSpec("teacher", 0, model_source(teacher_model or run.model), args.port + len(servers),
+        servers.append(ServerSpec("teacher", 0, model_source(teacher_model or cfg.model), args.port + len(servers),
                                   teacher))  # fmt: skip
     made = not args.weights_dir
     tmp = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")

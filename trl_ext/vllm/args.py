@@ -18,11 +18,16 @@ CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _ASYNC_SAMPLING = ("top_k", "top_p", "min_p", "repetition_penalty", "generation_kwargs")
 """GRPOConfig sampling options the off-policy vLLM generator refuses: they change vLLM's processed log-probs (the
 behaviour log-probs) away from the trainer's log_softmax(logits / temperature)."""
-_ASYNC_TRL_VLLM = ("vllm_enable_sleep_mode", "vllm_tensor_parallel_size", "vllm_importance_sampling_correction")
+_ASYNC_TRL_VLLM = ("vllm_enable_sleep_mode", "vllm_tensor_parallel_size", "vllm_importance_sampling_correction",
+                   "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+                   "vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap", "vllm_model_impl",
+                   "vllm_structured_outputs_regex", "vllm_group_port")  # fmt: skip
 """TRL's vLLM fields that its own (synchronous) engine reads and the off-policy generator's engine does not."""
 _SERVER_OWN = ("vllm_enable_sleep_mode", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization",
-               "vllm_max_model_length", "vllm_enforce_eager")  # fmt: skip
-"""Engine settings that a server holds itself (given when it starts: layout.py's flags), refused with
+               "vllm_max_model_length", "vllm_enforce_eager", "vllm_model_impl", "vllm_structured_outputs_regex",
+               "vllm_group_port")  # fmt: skip
+"""Settings of an engine this run would start, or of TRL's NCCL transfer, that the project's server engine does
+not read (a server holds its engine settings itself, given when it starts: layout.py's flags); refused with
 --vllm_mode server."""
 
 
@@ -66,8 +71,8 @@ class VLLMArgs:
             for name in _SERVER_OWN + _ASYNC_SAMPLING:
                 if getattr(self, name) != defaults[name]:
                     why = ("it changes the servers' sampling log-probs away from log_softmax(logits / T)"
-                           if name in _ASYNC_SAMPLING else "the server's own setting holds (give it to the server: "
-                           "layout.py, docs/layout.md)")  # fmt: skip
+                           if name in _ASYNC_SAMPLING else "the project's server engine does not read it; the "
+                           "server's own setting holds (give it to the server: layout.py, docs/layout.md)")  # fmt: skip
                     raise ConfigError(f"--{name} {getattr(self, name)!r} is not supported with --vllm_mode server: "
                                       f"{why}")
         if not vllm_installed() and self.vllm_mode != "server":  # a server's client needs no vLLM

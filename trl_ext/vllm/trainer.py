@@ -131,9 +131,9 @@ class VLLMMixin:
         urls = urls[rank % len(urls):] + urls[: rank % len(urls)]  # each process starts its rows on another replica
         self.policy_replicas = [Replica(u, os.environ.get("VLLM_API_KEY"), self.args.vllm_request_timeout)
                                 for u in urls]  # fmt: skip
-        config = base_of(self.accelerator.unwrap_model(self.model)).config
+        base = base_of(self.accelerator.unwrap_model(self.model))
         infos = check_replicas(self.policy_replicas, self.processing_class, self.max_completion_length + 1,
-                               "policy server", config)  # a longer prompt is the server's 400 answer: a ServerError
+                               "policy server", base.config)  # a longer prompt is the server's 400: a ServerError
         roots = {i["weights_dir"] for i in infos}
         if len(roots) != 1 or None in roots:
             raise ConfigError(f"the policy servers load checkpoints from {sorted(map(str, roots))}: start every one "
@@ -141,7 +141,6 @@ class VLLMMixin:
         self.policy_servers_info = infos
         if self.vllm_offpolicy:
             return
-        base = base_of(self.accelerator.unwrap_model(self.model))
         publisher = CheckpointPublisher(self.accelerator, 0, model_bytes(base), root=roots.pop())
         sampler = VLLMSampler(ServerEngine(self.policy_replicas), None)
         self.use_vllm, self.vllm_mode, self._last_loaded_step = True, "server", -1
