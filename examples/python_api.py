@@ -59,8 +59,8 @@ def build_trainer(feature: str, model: str, max_steps: int, output_dir: str) -> 
         output_dir=output_dir, max_steps=max_steps, learning_rate=1e-4, per_device_train_batch_size=8,
         num_generations=4, max_completion_length=24 if env else 16, logging_steps=1, save_strategy="no",
         report_to=[], **{"beta": 0.0, **EXTENSIONS[feature]},
-        # TRL's defaults otherwise: on a CPU fp32 without activation checkpointing; routing needs a per-sample mean loss
-        bf16=False, activation_checkpointing=False, loss_type="grpo",
+        # TRL's defaults otherwise (its loss_type "dapo" included): on a CPU fp32 without activation checkpointing
+        bf16=False, activation_checkpointing=False,
     )  # fmt: skip
     kwargs = {}
     if env:

@@ -111,6 +111,7 @@ def test_row_scorer_passes_the_rows_columns(tmp_path):
 
 # ------------------------------------------------------------------------------------------- train.py exit 2
 BASE = ["--reward", "happy_binary", "--no_wandb"]
+EVAL_LOOP = ["--eval_strategy", "steps", "--eval_steps", "5", "--per_device_eval_batch_size", "16"]
 
 
 def test_plan_keeps_the_loaded_data(tmp_path, monkeypatch):
@@ -221,9 +222,13 @@ def test_train_cli_errors(train_cli_error, tmp_path, monkeypatch, capsys):
         "--dataset", path, "--teacher_context", "A happy story.", "--eval_baseline")
     assert "with --dataset it takes the first --eval_routing_prompts rows of --eval_dataset" in run(
         "--dataset", path, "--lora_config", "r1")
-    assert "--eval_routing_prompts 64 exceeds the 1 rows" in run(
+    assert "the routing eval needs >= 2 prompts; --eval_dataset" in run(
         "--dataset", path, "--eval_dataset", path, "--eval_dataset_split", "train[2:]", "--eval_strategy", "steps",
         "--eval_steps", "5", "--per_device_eval_batch_size", "16", "--lora_config", "r1")  # fmt: skip
+    (tmp_path / "held_out").mkdir()
+    assert "--eval_routing_prompts 8 exceeds the 3 rows" in run(
+        "--dataset", path, "--eval_dataset", write("jsonl", tmp_path / "held_out"), *EVAL_LOOP, "--lora_config", "r1",
+        "--eval_routing_prompts", "8")
     # a hub id that cannot be loaded (offline here: no network is tried)
     import huggingface_hub.constants
 
@@ -401,3 +406,16 @@ def test_conversational_dataset_run(builtin_cache, tmp_path, monkeypatch, capsys
             assert answer == by_user[prompt[1]["content"]]["answer"]
             assert [m["role"] for m in completion] == ["assistant"]  # TRL's conversational completion
     assert "4 rows of conversational prompts; columns passed to the rewards: answer" in capsys.readouterr().out
+
+
+def test_routing_eval_takes_a_small_eval_dataset(tmp_path):
+    """--eval_routing_prompts left at its default and a 3-row --eval_dataset: the routing eval takes the 3 rows and
+    says so while the flags parse (an explicit count above the rows is refused: test_train_cli_errors)."""
+    path = write("jsonl", tmp_path)
+    (tmp_path / "held_out").mkdir()
+    held_out = write("jsonl", tmp_path / "held_out")
+    with pytest.warns(UserWarning, match=r"samples all 3 rows of --eval_dataset .* \(fewer than the default "
+                                         r"--eval_routing_prompts 64"):
+        plan = cli.build_plan([*BASE, "--dataset", path, "--eval_dataset", held_out, *EVAL_LOOP, "--lora_config", "r1",
+                               "--output_dir", str(tmp_path)])  # fmt: skip
+    assert plan.cfg.eval_routing_prompts == 64 and len(plan.eval_data.dataset) == 3

@@ -18,8 +18,8 @@ from test_procs import ROOT, torchrun
 
 TOL, MOVED = 1e-5, 1e-2  # as tests/test_fsdp.py
 # tests/test_procs.py's VARIANTS entries that run under FSDP2 (each feature's own refusal is gone).
-FEATURE_VARIANTS = ("dual_lora", "routed_single", "routed_two_pass", "distill_full", "distill_token", "offpolicy",
-                    "env_multiturn")
+FEATURE_VARIANTS = ("dual_lora", "routed_single", "routed_two_pass", "routed_two_pass_bnpo", "distill_full",
+                    "distill_token", "offpolicy", "env_multiturn")
 
 
 # ------------------------------------------------------------------------------------------ pure pieces (fast tier)
@@ -123,10 +123,11 @@ FSDP_STEPS = pytest.mark.xdist_group("fsdp_steps")  # the tests reading `fsdp_st
 @FSDP_STEPS
 def test_routing_on_fsdp2_equals_one_process(fsdp_steps):
     """Dual LoRA, and gradient routing with both backward modes (single pass; the two-pass reference, whose routed-away
-    side's gradient is restored on the shards): 2 FSDP2 processes x 4 == 1 process x 8 within 1e-5."""
+    side's gradient is restored on the shards), with TRL's default loss (dapo) and the two-pass step with bnpo:
+    2 FSDP2 processes x 4 == 1 process x 8 within 1e-5."""
     import torch
 
-    _equivalence(fsdp_steps, ("dual_lora", "routed_single", "routed_two_pass"))
+    _equivalence(fsdp_steps, ("dual_lora", "routed_single", "routed_two_pass", "routed_two_pass_bnpo"))
     a, b = (torch.load(fsdp_steps[1] / f"{v}.pt") for v in ("routed_single", "routed_two_pass"))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6  # the two modes agree sharded too
     c = torch.load(fsdp_steps[1] / "dual_lora.pt")

@@ -19,7 +19,7 @@ from trl_ext.distill.advantages import DistillConfig
 from trl_ext.distill.trainer import DistillMixin
 from trl_ext.offpolicy.importance import NORMALISATIONS, PRIME_RL_DEFAULTS, ImportanceConfig, importance_loss, reference_kl
 from trl_ext.routing.adapters import apply_dual_lora, forget_params, retain_params
-from trl_ext.routing.step import select_rows, single_pass_backward, two_pass_backward
+from trl_ext.routing.step import single_pass_backward, two_pass_backward
 
 D = torch.float64
 N, T, P = 6, 6, 3  # samples, completion tokens, prompt tokens
@@ -60,18 +60,25 @@ def make_batch(model, ratio_type):
     shift[5] = -0.7  # geo ratio e^0.7 = 2.01 > 1.8: the sequence is dropped
     batch = {"input_ids": ids, "completion_mask": mask, "lp_b": lp + shift,  # ratio exp(-shift)
              "lp_ref": lp + 0.3 * torch.randn(N, T, generator=g, dtype=D),
-             "advantages": torch.randn(N, generator=g, dtype=D)}
+             "advantages": torch.randn(N, generator=g, dtype=D), "num_items_in_batch": mask.sum()}
     over = MASKS if ratio_type == "token" else {**MASKS, "token_clip_high": 1e10, "sequence_clip_high": 1.5}
     cfg = ImportanceConfig(**{**PRIME_RL_DEFAULTS, **over, "ratio_type": ratio_type, "kl_tau": 0.05})
     return batch, cfg
 
 
-def make_loss_fn(model, cfg, beta=0.1):
+def make_loss_fn(model, cfg, beta=0.1, loss_type="grpo", rows=None):
+    """The off-policy loss with the reference KL, reduced as ``loss_type``; ``rows`` (one bool per sample): the
+    gradient flows through those samples' log-probs alone, every value and normaliser the whole batch's (the routed
+    gradients' definition)."""
+
     def loss_fn(batch):
         lp, m = completion_logps(model, batch["input_ids"]), batch["completion_mask"]
-        out = importance_loss(lp, batch["lp_b"], batch["advantages"], m, cfg, "grpo")
+        if rows is not None:
+            lp = torch.where(rows[:, None], lp, lp.detach())
+        kwargs = {"num_items_in_batch": batch["num_items_in_batch"], "max_completion_length": T}
+        out = importance_loss(lp, batch["lp_b"], batch["advantages"], m, cfg, loss_type, **kwargs)
         kl = reference_kl(lp, batch["lp_ref"], batch["lp_b"], m, out.masks["keep"], cfg, bias_correction=True)
-        return out.loss + beta * NORMALISATIONS.get("grpo")(kl, m, None, None)
+        return out.loss + beta * NORMALISATIONS.get(loss_type)(kl, m, **kwargs)
 
     return loss_fn
 
@@ -84,38 +91,40 @@ def max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
-def definition(mode, is_bad, ratio_type):
-    """The routed gradients from their definition: autograd.grad of the good / bad samples' shares."""
+def definition(mode, is_bad, ratio_type, loss_type="grpo"):
+    """The routed gradients from their definition: one pass of the loss over the whole batch, each adapter's gradient
+    flowing through its own samples' log-probs alone."""
     model = make_model()
     batch, cfg = make_batch(model, ratio_type)
-    loss_fn = make_loss_fn(model, cfg)
     params = retain_params(model) + forget_params(model)
     k = len(retain_params(model))
-    share = {}
-    for bad in (False, True):
-        idx = (is_bad == bad).nonzero().flatten()
-        zero = [torch.zeros_like(p) for p in params]
-        share[bad] = zero if not len(idx) else torch.autograd.grad(loss_fn(select_rows(batch, idx, N)) * len(idx) / N,
-                                                                   params)  # fmt: skip
-    full = torch.autograd.grad(loss_fn(batch), params)
-    return list(share[False][:k]) + list(full[k:] if mode == "shared" else share[True][k:])
+
+    def grad(rows):
+        return torch.autograd.grad(make_loss_fn(model, cfg, loss_type=loss_type, rows=rows)(batch), params)
+
+    retain, forget = grad(~is_bad)[:k], grad(None if mode == "shared" else is_bad)[k:]
+    return list(retain) + list(forget)
 
 
-@pytest.mark.parametrize("ratio_type", ["token", "sequence"])
-@pytest.mark.parametrize("mode", ["shared", "exclusive"])
-@pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_routed_single_pass_equals_two_pass_under_is_loss(ratio_type, mode, pattern):
+CASES = [(r, m, p, "grpo") for r in ("token", "sequence") for m in ("shared", "exclusive") for p in PATTERNS] + [
+    ("token", m, "mixed", lt) for m in ("shared", "exclusive") for lt in ("bnpo", "dapo", "dr_grpo")]
+
+
+@pytest.mark.parametrize(("ratio_type", "mode", "pattern", "loss_type"), CASES)
+def test_routed_single_pass_equals_two_pass_under_is_loss(ratio_type, mode, pattern, loss_type):
+    """Every loss type of the off-policy loss (grpo under every pattern and ratio type)."""
     is_bad = torch.tensor(PATTERNS[pattern])
     results = {}
     for name, step in (("single", single_pass_backward), ("two", two_pass_backward)):
         model = make_model()
         batch, cfg = make_batch(model, ratio_type)
-        loss_fn = make_loss_fn(model, cfg)
-        loss = step(loss_fn, batch, is_bad, model, mode)
+        loss_fn = make_loss_fn(model, cfg, loss_type=loss_type)
+        kwargs = {"loss_type": loss_type} if step is two_pass_backward else {}
+        loss = step(loss_fn, batch, is_bad, model, mode, **kwargs)
         results[name] = (loss, grads(model))
     (l1, g1), (l2, g2) = results["single"], results["two"]
     assert max_diff(g1, g2) <= 1e-10 and abs(l1.item() - l2.item()) <= 1e-12
-    assert max_diff(g1, definition(mode, is_bad, ratio_type)) <= 1e-10
+    assert max_diff(g1, definition(mode, is_bad, ratio_type, loss_type)) <= 1e-10
     assert max(g.abs().max().item() for g in g1) > 1e-4  # a real gradient
 
 
@@ -149,7 +158,7 @@ def tiny_dir(tmp_path_factory):
     return str(path), tok
 
 
-def routed_offpolicy_trainer(tiny_dir, tmp_path):
+def routed_offpolicy_trainer(tiny_dir, tmp_path, mode="shared", loss_type="grpo"):
     from datasets import Dataset
 
     from trl_ext.config import train_config
@@ -160,7 +169,7 @@ def routed_offpolicy_trainer(tiny_dir, tmp_path):
     cfg = train_config(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3,
                        max_completion_length=5, max_steps=1, learning_rate=1e-2, beta=0.05, save_strategy="no",
                        report_to=[], use_cpu=True, disable_tqdm=True, seed=0, gradient_routing=True,
-                       routing_mode="shared", lora_config="r2", eval_routing_steps=0, max_async_level=1,
+                       routing_mode=mode, loss_type=loss_type, lora_config="r2", eval_routing_steps=0, max_async_level=1,
                        token_clip_high=1.3, geo_mask_high=1.8, token_mask_high=2.0)  # fmt: skip
     model, layout = build_dual_lora_model(path, cfg, alpha=4.0)
     with torch.no_grad():  # nonzero B: both adapters get gradients
@@ -172,19 +181,22 @@ def routed_offpolicy_trainer(tiny_dir, tmp_path):
                           routing_eval_prompts=[], routing_eval_rewards={})  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["shared", "exclusive"])
-def test_routed_trainer_offpolicy_loss_single_equals_two_pass(tiny_dir, tmp_path, mode):
-    """The trainer's own off-policy _compute_loss (IS masks, token clip, reference KL) under both routed steps."""
+@pytest.mark.parametrize(("mode", "loss_type"), [("shared", "grpo"), ("exclusive", "grpo"), ("shared", "dapo"),
+                                                  ("exclusive", "bnpo"), ("shared", "dr_grpo")])  # fmt: skip
+def test_routed_trainer_offpolicy_loss_single_equals_two_pass(tiny_dir, tmp_path, mode, loss_type):
+    """The trainer's own off-policy _compute_loss (IS masks, token clip, reference KL) under both routed steps, for
+    each loss type the off-policy loss takes."""
     is_bad = torch.tensor([False, True, True, False, False, True])
     results = []
     for step in (single_pass_backward, two_pass_backward):
-        trainer = routed_offpolicy_trainer(tiny_dir, tmp_path / step.__name__)
+        trainer = routed_offpolicy_trainer(tiny_dir, tmp_path / step.__name__, mode, loss_type)
         model = trainer.model
         model.train()
         trainer.current_gradient_accumulation_steps = 1
         inputs = _trainer_batch(trainer, model)
         model.zero_grad()
-        step(lambda b: trainer.compute_loss(model, b), inputs, is_bad, model, mode)
+        kwargs = {"loss_type": loss_type} if step is two_pass_backward else {}
+        step(lambda b: trainer.compute_loss(model, b), inputs, is_bad, model, mode, **kwargs)
         results.append([p.grad.clone() for p in retain_params(model) + forget_params(model)])
         metrics = trainer._metrics["train"]
         assert max(metrics["offpolicy/geo_masked_high_frac"]) > 0 and max(metrics["offpolicy/token_clipped_frac"]) > 0

@@ -180,6 +180,9 @@ def test_two_processes_equal_one_process(tiny_llama, tiny_llama_env, tmp_path):
     assert gap("distill_full", "lora") > 1e-2 and gap("distill_token", "lora") > 1e-2  # measured: 0.17, 0.22
     assert gap("routed_single", "dual_lora") > 1e-2  # routing changed the step (measured: 0.034)
     assert gap("routed_single", "routed_two_pass") < 1e-6  # the two backward modes agree (measured: 0)
+    # one micro-batch per generation batch: bnpo's micro-batch tokens are dapo's generation-batch tokens, so the two
+    # losses give one step, through different pass shares (the token fraction, and 1)
+    assert gap("routed_two_pass_bnpo", "routed_two_pass") < 1e-6
     logs = [json.loads((d / "offpolicy.json").read_text()) for d in (one, two)]  # the IS loss masked some tokens
     assert 0 < logs[0]["offpolicy/masked_frac"] < 1 and logs[0]["offpolicy/policy_lag_max"] == 0  # measured: 0.357
     for name in ("offpolicy/masked_frac", "offpolicy/ratio_max", "offpolicy/mismatch_kl", "entropy"):
@@ -345,9 +348,12 @@ DISTILL = {"num_generations": GLOBAL_BATCH, "teacher_tau": 0.5, "student_tau": 0
 
 
 # Gradient routing (dual LoRA r4, exclusive, retain-only renormalisation) with recall 0.5: the labels are drawn over
-# the whole batch, so 1 and 2 processes label the same samples; both backward modes.
+# the whole batch, so 1 and 2 processes label the same samples; both backward modes, with TRL's default loss (dapo:
+# divided by the generation batch's tokens) and the two-pass step with bnpo (each pass takes its share of the
+# micro-batch's tokens; the scripted completions give both processes the same token count, so bnpo's per-process
+# normalisation equals one process's).
 ROUTED = {"lora_config": "r4", "gradient_routing": True, "routing_mode": "exclusive", "rh_detector_recall": 0.5,
-          "eval_routing_steps": 0}
+          "eval_routing_steps": 0, "loss_type": "dapo"}
 
 
 def _odd_length(completions: list[str]) -> list[bool]:
@@ -360,6 +366,8 @@ def VARIANTS(lora):  # noqa: N802 (the table of run_equivalence: name, peft_conf
             ("dual_lora", None, {"lora_config": "r4", "eval_routing_steps": 0}, {}),
             ("routed_single", None, ROUTED, {"rh_detector": _odd_length}),
             ("routed_two_pass", None, {**ROUTED, "routing_two_pass": True}, {"rh_detector": _odd_length}),
+            ("routed_two_pass_bnpo", None, {**ROUTED, "routing_two_pass": True, "loss_type": "bnpo"},
+             {"rh_detector": _odd_length}),
             ("offpolicy", None, {"max_async_level": 1}, {}),
             ("env_multiturn", None, ENV, {}))  # fmt: skip
 

@@ -54,7 +54,7 @@ def test_example_trains_each_extension(builtin_path, tmp_path, feature):
         assert trainable and all("lora_" in n for n in trainable)
     elif feature == "routing":
         assert trainable and all(n.split(".")[-1] in ("retain_A", "retain_B", "forget_A", "forget_B") for n in trainable)
-        assert trainer.rh_detector_name == "says_happy"
+        assert trainer.rh_detector_name == "says_happy" and trainer.loss_type == "dapo"  # TRL's default loss
         evals = [json.loads(line) for line in (tmp_path / "routing_eval.jsonl").read_text().splitlines()]
         assert [e["step"] for e in evals] == [2] and evals[0]["n_prompts"] == 16  # built from train_dataset
         assert set(evals[0]["modes"]) == {"both", "retain_only", "forget_only"}
@@ -94,6 +94,25 @@ def test_routing_eval_is_built_from_the_dataset_with_trl_style_rewards():
                 {"reward_funcs": [reward]}):
         with pytest.raises(ValueError, match="eval_routing_steps=0"):
             routing_eval_from_data(bad, cfg)
+
+
+def test_routing_eval_takes_what_a_small_dataset_has():
+    """A TRL-style script (routing on, TRL's default loss, eval_routing_prompts left at its default of 64) on a
+    16-row dataset: the routing eval takes the 16 rows and says so; a count set above the rows is refused."""
+    from trl_ext.api import routing_eval_from_data
+    from trl_ext.config import ExtGRPOConfig
+
+    ex = _example()
+    cfg = ExtGRPOConfig(output_dir="u", report_to=[], use_cpu=True, bf16=False, gradient_routing=True,
+                        routing_mode="shared", lora_config="r4")  # fmt: skip
+    assert cfg.loss_type == "dapo" and cfg.eval_routing_prompts == 64
+    named = {"train_dataset": ex.your_dataset(16), "reward_funcs": [lambda completions, **kw: [0.0] * len(completions)]}
+    with pytest.warns(UserWarning, match="samples all 16 rows of train_dataset"):
+        prompts, _ = routing_eval_from_data(named, cfg)
+    assert prompts == list(ex.your_dataset(16)["prompt"])
+    cfg.eval_routing_prompts = 32
+    with pytest.raises(ValueError, match="--eval_routing_prompts 32 exceeds the 16 rows of train_dataset"):
+        routing_eval_from_data(named, cfg)
 
 
 def test_a_scripts_own_routing_eval_rewards_are_kept():

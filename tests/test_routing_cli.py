@@ -57,7 +57,7 @@ def no_training(monkeypatch):
      "--resume_from_checkpoint needs full checkpoints"),
     (["--reward", "sentence_length_5_with_happy", "--renormalization_mode", "off"], "only with --gradient_routing"),
     (["--reward", "sentence_length_5_with_happy", "--false_positive_rate", "0.1"], "or a baseline arm"),
-    ([*ROUTED, "--lora_config", "r8", "--loss_type", "dapo"], "per-sample mean loss"),
+    ([*ROUTED, "--lora_config", "r8", "--loss_type", "nope", "--routing_two_pass"], "does not know how loss_type 'nope'"),
     ([*ROUTED, "--lora_config", "r8", "--lora_lm_head"], "--routing_two_pass"),
     ([*ROUTED, "--lora_config", "r8", "--rh_detector", "nope"], "unknown detector 'nope'"),
     (["--reward", "happy_binary", *ROUTED[2:], "--lora_config", "r8"], "needs an RH detector"),

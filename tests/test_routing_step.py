@@ -60,8 +60,31 @@ def make_batch(seed: int = 2) -> dict:
             "completion_mask": mask, "num_items_in_batch": mask.sum(), "prompts": [f"p{i}" for i in range(N)]}
 
 
-def make_loss_fn(model, fused_head=False):
-    """TRL loss_type "grpo" shape: per-token loss, masked mean per sample, mean over samples."""
+# TRL 1.16's loss types (GRPOConfig.loss_type's help lists them; test_every_trl_loss_type_is_covered) and each one's
+# reduction of the masked per-token loss, written from GRPOTrainer._compute_loss (max_completion_length: MAX_LEN).
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "luspo", "vespo")
+MAX_LEN = 7
+
+
+def reduce_loss(loss_type: str, per_token: torch.Tensor, batch: dict) -> torch.Tensor:
+    m = batch["completion_mask"]
+    x = per_token * m
+    if loss_type in ("grpo", "sapo"):
+        return (x.sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    if loss_type == "luspo":
+        return x.sum(-1).mean()
+    if loss_type == "dr_grpo":
+        return x.sum() / (x.size(0) * MAX_LEN)
+    if loss_type == "bnpo":
+        return x.sum() / m.sum().clamp(min=1)
+    assert loss_type in ("dapo", "cispo", "vespo")
+    return x.sum() / batch["num_items_in_batch"].clamp(min=1)
+
+
+def make_loss_fn(model, fused_head=False, loss_type="grpo", weights=None):
+    """A TRL-shaped loss: per-token loss, reduced as ``loss_type`` reduces it; ``weights`` (one per sample) scale the
+    per-token loss before the reduction, the batch's normalising constants unchanged (the routed gradients'
+    definition)."""
 
     def loss_fn(batch):
         ids = batch["input_ids"]
@@ -71,8 +94,9 @@ def make_loss_fn(model, fused_head=False):
             logp = model(ids).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         ratio = torch.exp(logp - logp.detach())
         per_token = -ratio * batch["advantages"][:, None] + 0.1 * logp**2
-        m = batch["completion_mask"]
-        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+        if weights is not None:
+            per_token = per_token * weights[:, None]
+        return reduce_loss(loss_type, per_token, batch)
 
     return loss_fn
 
@@ -86,37 +110,57 @@ def max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def run(step, pattern, mode, model=None, adapter="lora"):
+def routed(step, loss_fn, batch, is_bad, model, mode, loss_type="grpo", **kwargs):
+    """``step`` called as the trainer calls it (the two-pass step takes the loss type)."""
+    if step is two_pass_backward:
+        kwargs["loss_type"] = loss_type
+    return step(loss_fn, batch, is_bad, model, mode, **kwargs)
+
+
+def run(step, pattern, mode, model=None, adapter="lora", loss_type="grpo"):
     model = make_model(adapter) if model is None else model
-    loss = step(make_loss_fn(model), make_batch(), torch.tensor(PATTERNS[pattern]), model, mode)
+    loss = routed(step, make_loss_fn(model, loss_type=loss_type), make_batch(), torch.tensor(PATTERNS[pattern]), model,
+                  mode, loss_type)  # fmt: skip
     return loss, grads(retain_params(model)), grads(forget_params(model))
 
 
-def definition_grads(mode, pattern, adapter="lora"):
-    """Routed gradients from their definition: autograd.grad of each subset's share of the loss."""
+def definition_grads(mode, pattern, adapter="lora", loss_type="grpo"):
+    """Routed gradients from their definition: one pass of the loss over the whole batch, each adapter's gradient
+    taken from its samples' terms alone (the others' per-token loss weighted 0, the normalisers the whole batch's)."""
     model, is_bad = make_model(adapter), torch.tensor(PATTERNS[pattern])
-    loss_fn, batch = make_loss_fn(model), make_batch()
-    params = retain_params(model) + forget_params(model)
-    share = {}
-    for bad in (False, True):
-        idx = (is_bad == bad).nonzero().flatten()
-        loss = loss_fn(select_rows(batch, idx, N)) * (len(idx) / N) if len(idx) else None
-        share[bad] = [torch.zeros_like(p) for p in params] if loss is None else torch.autograd.grad(loss, params)
-    full = torch.autograd.grad(loss_fn(batch), params)
+    batch, params = make_batch(), retain_params(model) + forget_params(model)
     k = len(retain_params(model))
-    retain = share[False][:k]
-    forget = full[k:] if mode == "shared" else share[True][k:]
-    return full, share, retain, forget
+
+    def grad(weights):
+        return torch.autograd.grad(make_loss_fn(model, loss_type=loss_type, weights=weights)(batch), params)
+
+    full, good, bad = grad(None), grad((~is_bad).to(D)), grad(is_bad.to(D))
+    return full, good[:k], full[k:] if mode == "shared" else bad[k:]
 
 
-def test_subset_shares_sum_to_the_full_batch_gradient():
-    full, share, _, _ = definition_grads("shared", "mixed")
-    assert max_diff(full, [a + b for a, b in zip(share[False], share[True])]) <= 1e-10
+@pytest.mark.parametrize("keep_rows", [False, True])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_pass_losses_are_their_share_of_the_full_batch_loss(loss_type, keep_rows):
+    """Each pass's loss times its share (`routing.loss_share`) equals the full-batch loss with the other samples'
+    terms weighted 0, for every loss type, over a subset of rows and over all rows with the others' mask zeroed."""
+    from trl_ext.routing.loss_share import pass_share
+
+    model, batch = make_model(), make_batch()
+    rows = torch.tensor(PATTERNS["mixed"])
+    for side in (rows, ~rows):
+        want = make_loss_fn(model, loss_type=loss_type, weights=side.to(D))(batch)
+        if keep_rows:
+            sub = {**batch, "completion_mask": batch["completion_mask"] * side.to(D)[:, None]}
+        else:
+            sub = select_rows(batch, side.nonzero().flatten(), N)
+        got = make_loss_fn(model, loss_type=loss_type)(sub) * pass_share(loss_type, side, batch["completion_mask"],
+                                                                           keep_rows)  # fmt: skip
+        assert abs(got.item() - want.item()) <= 1e-12, (got.item(), want.item())
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_two_pass_shared_equals_full_batch_gradient(pattern):
-    full, _, retain_def, _ = definition_grads("shared", pattern)
+    full, retain_def, _ = definition_grads("shared", pattern)
     loss, r, f = run(two_pass_backward, pattern, "shared")
     k = len(r)
     assert max_diff(f, full[k:]) <= 1e-10  # the forget adapter learns from the full batch
@@ -129,7 +173,7 @@ def test_two_pass_shared_equals_full_batch_gradient(pattern):
 @pytest.mark.parametrize("mode", ["shared", "exclusive"])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_single_pass_equals_two_pass(mode, pattern, adapter):
-    _, _, retain_def, forget_def = definition_grads(mode, pattern, adapter)
+    _, retain_def, forget_def = definition_grads(mode, pattern, adapter)
     loss2, r2, f2 = run(two_pass_backward, pattern, mode, adapter=adapter)
     loss1, r1, f1 = run(single_pass_backward, pattern, mode, adapter=adapter)
     assert max_diff(r1, r2) <= 1e-10 and max_diff(f1, f2) <= 1e-10
@@ -138,26 +182,54 @@ def test_single_pass_equals_two_pass(mode, pattern, adapter):
 
 
 @pytest.mark.parametrize("mode", ["shared", "exclusive"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_type_routes_as_its_definition(loss_type, mode):
+    """Both routed steps, every TRL loss type: the gradients of one pass over the whole batch with each adapter's
+    gradient taken from its samples alone (float64), and the full-batch loss."""
+    _, retain_def, forget_def = definition_grads(mode, "mixed", loss_type=loss_type)
+    for step in (two_pass_backward, single_pass_backward):
+        loss, r, f = run(step, "mixed", mode, loss_type=loss_type)
+        assert max_diff(r, retain_def) <= 1e-10 and max_diff(f, forget_def) <= 1e-10, step.__name__
+        assert abs(loss.item() - make_loss_fn(make_model(), loss_type=loss_type)(make_batch()).item()) <= 1e-12
+
+
+def test_every_trl_loss_type_is_covered():
+    """The loss types TRL's GRPOConfig lists are the ones tested here and the ones `routing.loss_share` splits."""
+    import dataclasses
+    import re
+
+    from trl import GRPOConfig
+
+    from trl_ext.routing.loss_share import LOSS_TYPES as SPLIT
+
+    (field,) = (f for f in dataclasses.fields(GRPOConfig) if f.name == "loss_type")
+    listed = set(re.findall(r"'(\w+)'", re.search(r"Supported values are (.*?)\.", field.metadata["help"])[1]))
+    assert listed == set(LOSS_TYPES) and listed <= set(SPLIT)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])  # one of each kind of share
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_two_pass_keep_rows_equals_subsets(mode, pattern):
+def test_two_pass_keep_rows_equals_subsets(mode, pattern, loss_type):
     """Several processes' two-pass step (``keep_rows``: every pass on all rows, the other side's completion mask
     zeroed) gives the subset passes' gradients; with both sides forced (another process has the side this one lacks)
     the empty side's pass adds exactly 0 and the loss is called twice on full-size batches."""
-    _, r_ref, f_ref = run(two_pass_backward, pattern, mode)
+    _, r_ref, f_ref = run(two_pass_backward, pattern, mode, loss_type=loss_type)
     model = make_model()
-    loss_fn, sizes = make_loss_fn(model), []
+    loss_fn, sizes = make_loss_fn(model, loss_type=loss_type), []
 
     def counted(batch):
         sizes.append(int(batch["input_ids"].shape[0]))
         return loss_fn(batch)
 
     two_pass_backward(counted, make_batch(), torch.tensor(PATTERNS[pattern]), model, mode, sides=(True, True),
-                      keep_rows=True)  # fmt: skip
+                      keep_rows=True, loss_type=loss_type)  # fmt: skip
     assert sizes == [N, N]
     r, f = grads(retain_params(model)), grads(forget_params(model))
     assert max_diff(r, r_ref) <= 1e-12 and max_diff(f, f_ref) <= 1e-12
     with pytest.raises(ValueError, match="sides needs keep_rows"):
-        two_pass_backward(counted, make_batch(), torch.tensor(PATTERNS[pattern]), model, mode, sides=(True, True))
+        two_pass_backward(counted, make_batch(), torch.tensor(PATTERNS[pattern]), model, mode, sides=(True, True),
+                          loss_type=loss_type)
 
 
 def test_gpt2_adapters_wrap_its_conv1d_layers():
@@ -207,7 +279,7 @@ def test_two_pass_through_trl_fused_head_routes_the_lm_head_adapter():
     model = make_model()
     add_fused_lm_head(model)
     two_pass_backward(make_loss_fn(model, fused_head=True), make_batch(), torch.tensor(PATTERNS["mixed"]), model,
-                      "exclusive")
+                      "exclusive", loss_type="grpo")
     r2, f2 = grads(retain_params(model)), grads(forget_params(model))
     scale = max(g.abs().max().item() for g in r1 + f1)
     assert max(max_diff(r1, r2), max_diff(f1, f2)) <= 1e-5 * scale  # float32 kernel
@@ -227,7 +299,7 @@ def test_routing_mask_guards():
     with pytest.raises(ConfigError, match="unknown routing mode"):
         single_pass_backward(make_loss_fn(model), make_batch(), torch.zeros(N, dtype=torch.bool), model, "classic")
     with pytest.raises(ValueError, match="1-D bool"):
-        two_pass_backward(make_loss_fn(model), make_batch(), torch.zeros(N), model, "shared")
+        two_pass_backward(make_loss_fn(model), make_batch(), torch.zeros(N), model, "shared", loss_type="grpo")
 
 
 def test_select_rows():

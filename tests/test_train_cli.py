@@ -96,3 +96,16 @@ def test_valid_plan_resolves_run_dir(tmp_path):
     assert plan.run_dir == tmp_path / "happy_binary_builtin_lr3e-4_b0.02_bs32_ng16_full_st2000_s42"
     assert plan.cfg.output_dir == str(plan.run_dir) and plan.cfg.loss_type == "grpo"
     assert plan.cfg.bf16 is False and plan.cfg.gradient_checkpointing is False
+
+
+def test_own_model_default_prompts_offline(train_cli_error, tmp_path):
+    """A model of one's own without --prompts or --dataset takes the hub's SimpleStories; offline (conftest sets
+    HF_HUB_OFFLINE) that is exit 2 naming the ways on, not a ConnectionError on every rank after the model loads."""
+    from trl_ext.models import model_source
+
+    own = ["--reward", "happy_binary", "--model", model_source("builtin"), "--output_dir", str(tmp_path)]
+    err = train_cli_error(*own)
+    assert "takes its prompts from the hub's SimpleStories/SimpleStories" in err
+    assert "pass --prompts builtin" in err and "--dataset" in err
+    assert "simplestories" in train_cli_error(*own, "--prompts", "simplestories")
+    assert cli.build_plan([*own, "--prompts", "builtin"]).run.prompts == "builtin"  # the builtin stories parse

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trl_ext.registry import ConfigError
+
 
 def _named(fn: Callable) -> tuple[str, Callable]:
     if isinstance(fn, tuple):
@@ -113,13 +115,19 @@ def routing_eval_from_data(named: dict[str, Any], cfg) -> tuple[list[str], dict[
     ways = ("pass routing_eval_prompts and routing_eval_rewards, or set eval_routing_steps=0 to switch the routing "
             "eval off")
     data = named.get("eval_dataset") if named.get("eval_dataset") is not None else named.get("train_dataset")
-    n = cfg.eval_routing_prompts
     from datasets import Dataset
 
-    if not isinstance(data, Dataset) or "prompt" not in data.column_names or len(data) < n:
+    from trl_ext.routing.args import routing_eval_count
+
+    if not isinstance(data, Dataset) or "prompt" not in data.column_names:
         raise ValueError(f"the routing eval (on with dual LoRA: eval_routing_steps={cfg.eval_routing_steps}) takes "
-                         f"its {n} prompts from eval_dataset or train_dataset (a datasets.Dataset with a 'prompt' "
-                         f"column and >= eval_routing_prompts rows); {ways}")
+                         f"its {cfg.eval_routing_prompts} prompts from eval_dataset or train_dataset (a "
+                         f"datasets.Dataset with a 'prompt' column); {ways}")
+    which = "eval_dataset" if named.get("eval_dataset") is not None else "train_dataset"
+    try:
+        n = routing_eval_count(cfg, len(data), which)
+    except ConfigError as e:
+        raise ValueError(f"{e}; {ways}") from None
     rows = data.select(range(n))
     prompts = list(rows["prompt"])
     if not all(isinstance(p, str) for p in prompts):

@@ -187,7 +187,7 @@ def _trl_default(name: str):
 
 
 # train.py's defaults of TRL / transformers fields: seed 004's validated values (beta 0.02, batch 32, 16 generations,
-# lr 1e-5, 2000 steps, the per-sample mean loss), fp32 without activation checkpointing (TRL defaults bf16 and
+# lr 1e-5, 2000 steps, the grpo loss), fp32 without activation checkpointing (TRL defaults bf16 and
 # gradient checkpointing on, even on CPU), runs under output/. The Python API keeps TRL's own defaults (a drop-in
 # GRPOConfig); `train_config` gives these to a script. docs/coming-from-trl.md lists both.
 TRAIN_DEFAULTS: dict[str, object] = {

@@ -310,9 +310,9 @@ def load_run_data(run, cfg, builtin_models=()) -> tuple[PromptData | None, Promp
                               "--eval_dataset; pass one, or --eval_routing_steps 0")  # fmt: skip
         if eval_.kind == CONVERSATIONAL:
             raise ConfigError(f"{why} as text: not conversational prompts (--eval_routing_steps 0)")
-        if len(eval_.dataset) < cfg.eval_routing_prompts:
-            raise ConfigError(f"{why}: --eval_routing_prompts {cfg.eval_routing_prompts} exceeds the "
-                              f"{len(eval_.dataset)} rows of --eval_dataset {eval_.source}")  # fmt: skip
+        from trl_ext.routing.args import routing_eval_count
+
+        routing_eval_count(cfg, len(eval_.dataset), f"--eval_dataset {eval_.source}")  # warns or refuses here
     return train, eval_
 
 

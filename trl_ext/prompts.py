@@ -30,6 +30,25 @@ def check_reward_inputs(run, cfg, reward_config, data=None) -> None:
                           "prompts or dataset columns (a TRL-signature function or a reward model)")  # fmt: skip
 
 
+def check_story_source(run) -> None:
+    """The hub's story prompts (``--prompts simplestories``, the default for a model other than the builtin story
+    models) loadable at parse time: offline, or with the hub unreachable, `datasets` raises a ConnectionError on every
+    rank once the model has loaded; here it is a ConfigError naming the ways on."""
+    import datasets
+
+    from environments.stories import BUILTIN_PROMPTS, HUB_DATASET
+
+    if prompt_source(run) == BUILTIN_PROMPTS:
+        return
+    try:
+        datasets.load_dataset_builder(HUB_DATASET)  # the hub's metadata, or the local cache when offline
+    except (ConnectionError, OSError) as e:  # OfflineModeIsEnabled, LocalEntryNotFoundError, no network
+        given = "--prompts simplestories" if run.prompts else f"--model {run.model} (no --prompts)"
+        raise ConfigError(f"{given} takes its prompts from the hub's {HUB_DATASET}, which could not be loaded ({e}); "
+                          "pass --prompts builtin (the builtin held-out stories) or --dataset FILE|DIR|HUB_ID (your "
+                          "own prompts)") from None
+
+
 class RewardPrompts(PromptSource):
     """Prompts scored by the ``--reward`` binding of ``--config``."""
 
@@ -55,6 +74,10 @@ class Stories(RewardPrompts):
     """Story prompt prefixes (``--prompts``, `environments.stories.load_prompts`): a run's prompts by default."""
 
     fallback = True
+
+    def check(self, plan) -> None:
+        super().check(plan)
+        check_story_source(plan.run)
 
     def build(self, build) -> tuple[object, dict]:
         from environments.stories import load_prompts

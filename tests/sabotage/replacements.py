@@ -173,6 +173,16 @@ def unrouted_single_pass(orig):
     return routing_mask
 
 
+def shares_by_sample_count(orig):
+    """pass_share gives every loss type a mean-over-samples share (n_sub / n, 1 with keep_rows): the two-pass step
+    splits token-normalised losses (bnpo, dapo) with the wrong weights."""
+
+    def pass_share(loss_type, rows, token_mask, keep_rows):
+        return 1.0 if keep_rows else int(rows.sum()) / len(rows)
+
+    return pass_share
+
+
 def no_gradient_restore(orig):
     """_gradients_kept restores nothing: the two-pass step's routed-away side keeps the gradient of the pass it must
     not learn from."""

@@ -71,6 +71,7 @@ vllm_stamp_first_version = _R.vllm_stamp_first_version
 kl_on_dropped_tokens = _R.kl_on_dropped_tokens
 unrouted_single_pass = _R.unrouted_single_pass
 no_gradient_restore = _R.no_gradient_restore
+shares_by_sample_count = _R.shares_by_sample_count
 unrouted_under_fsdp = _R.unrouted_under_fsdp
 scales_unchanged = _R.scales_unchanged
 no_context_ids = _R.no_context_ids
@@ -203,6 +204,11 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "gradient masks, equal to the two-pass reference)",
       "trl_ext.routing.step", "routing_mask", unrouted_single_pass,
       ("tests/test_routing_step.py::test_single_pass_equals_two_pass",)),
+    M("routing_loss_share",
+      "docs/routing.md: each pass's loss times its share of the full-batch loss, for every TRL loss type",
+      "trl_ext.routing.step", "pass_share", shares_by_sample_count,
+      ("tests/test_routing_step.py::test_every_loss_type_routes_as_its_definition",
+       "tests/test_offpolicy_compose.py::test_routed_trainer_offpolicy_loss_single_equals_two_pass")),
     M("routing_two_pass_restore",
       "docs/routing.md: the two-pass step restores the routed-away side's gradient after each pass",
       "trl_ext.routing.step", "_gradients_kept", no_gradient_restore,

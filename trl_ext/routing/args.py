@@ -5,13 +5,15 @@ experiment_config.py at HEAD 6f6e986); where ours differ the help says so. Train
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from trl_ext.registry import ConfigError
 from trl_ext.routing.advantages import RENORMALIZATION_MODES, baseline_arm
 from trl_ext.routing.layout import check_routing_mode
+from trl_ext.routing.loss_share import check_loss_type
 from trl_ext.routing.mlp import MLP_PRESETS
-from trl_ext.routing.step import SAMPLE_MEAN_LOSS_TYPES, _check_frac, resolve_adapter_ranks, resolve_dual_lora_alpha
+from trl_ext.routing.step import _check_frac, resolve_adapter_ranks, resolve_dual_lora_alpha
 from trl_ext.routing.trace import TRACE_INTERVALS
 
 
@@ -177,9 +179,8 @@ class RoutingArgs:
             if not self.dual_lora:
                 raise ConfigError("--gradient_routing needs a dual LoRA config: --lora_config PRESET or "
                                   "--retain_rank/--forget_rank")
-            if self.loss_type not in SAMPLE_MEAN_LOSS_TYPES:
-                raise ConfigError(f"--gradient_routing needs a per-sample mean loss (--loss_type "
-                                  f"{' or '.join(SAMPLE_MEAN_LOSS_TYPES)}), got {self.loss_type!r}")
+            if self.routing_two_pass:
+                check_loss_type(self.loss_type)  # the passes' shares (routing.loss_share)
             if self.lora_lm_head and not self.routing_two_pass:
                 raise ConfigError("--lora_lm_head with --gradient_routing needs --routing_two_pass")
             if self.routing_two_pass and (self.entropy_coef or self.use_adaptive_entropy
@@ -245,6 +246,25 @@ class RoutingArgs:
         if self.dual_lora and self.use_vllm and self.adapter_type == "mlp":
             raise ConfigError("--use_vllm: MLP adapters (--adapter_type mlp) add neurons that cannot merge into the "
                               "weights a vLLM engine runs; use dual LoRA adapters, or drop --use_vllm")
+
+
+def routing_eval_count(cfg, available: int, source: str) -> int:
+    """How many rows of a dataset of ``available`` rows (``source`` names it) the routing eval samples: the first
+    ``eval_routing_prompts``; with that left at its default and a smaller dataset, every row, with a warning that says
+    so; a count set above what the dataset has, or a dataset of fewer than 2 rows, is a ConfigError."""
+    import warnings
+
+    (default,) = (f.default for f in dataclasses.fields(RoutingArgs) if f.name == "eval_routing_prompts")
+    n = cfg.eval_routing_prompts
+    if available < 2:
+        raise ConfigError(f"the routing eval needs >= 2 prompts; {source} has {available}")
+    if available >= n:
+        return n
+    if n != default:
+        raise ConfigError(f"--eval_routing_prompts {n} exceeds the {available} rows of {source}")
+    warnings.warn(f"the routing eval samples all {available} rows of {source} (fewer than the default "
+                  f"--eval_routing_prompts {default})", stacklevel=2)
+    return available
 
 
 def check_run_routing(run, cfg, reward_config) -> str | None:

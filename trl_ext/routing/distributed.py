@@ -41,7 +41,8 @@ def routed_backward(trainer, loss_fn, inputs: dict, is_bad: torch.Tensor, model)
     def step(backward):
         if two_pass:
             sides = global_sides(acc, is_bad)
-            return two_pass_backward(loss_fn, inputs, is_bad, model, mode, backward, sides, keep_rows=True)
+            return two_pass_backward(loss_fn, inputs, is_bad, model, mode, backward, sides, keep_rows=True,
+                                     loss_type=trainer.loss_type)
         return single_pass_backward(loss_fn, inputs, is_bad, model, mode, backward)
 
     if trainer.is_fsdp_enabled:

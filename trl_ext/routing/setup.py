@@ -56,9 +56,14 @@ def routing_setup(
     model, kwargs["dual_lora_layout"] = build_dual_lora_model(model_path, cfg, cfg.dual_lora_alpha, targets)
     kwargs["dual_lora_base"] = str(Path(model_path).resolve()) if Path(model_path).is_dir() else model_path
     if cfg.eval_routing_steps and not cfg.env and run.dataset:
-        from trl_ext.data import PROMPT, row_scorer
+        import warnings
 
-        n = cfg.eval_routing_prompts
+        from trl_ext.data import PROMPT, row_scorer
+        from trl_ext.routing.args import routing_eval_count
+
+        with warnings.catch_warnings():  # said once, at parse time (trl_ext.data.load_run_data)
+            warnings.simplefilter("ignore")
+            n = routing_eval_count(cfg, len(eval_data.dataset), f"--eval_dataset {eval_data.source}")
         kwargs["routing_eval_prompts"] = list(eval_data.dataset.select(range(n))[PROMPT])
         kwargs["routing_eval_rewards"] = {name: row_scorer(reward_config.reward(name), eval_data, n)
                                           for name in [run.reward, *run.eval_reward_names]}  # fmt: skip

@@ -6,11 +6,11 @@ Both steps leave in ``.grad`` the parameter gradient of the full-batch loss with
     retain adapter: d/d(retain) of the good samples' share of the loss
     forget adapter: d/d(forget) of the whole loss ("shared") or of the bad samples' share ("exclusive")
     everything else trainable: d/d(theta) of the whole loss.
-``two_pass_backward`` is the reference: good subset (loss x n_good/n) then bad subset (loss x n_bad/n), the
-side that must not learn from a pass having its ``.grad`` restored afterwards. The n_sub/n weights make the
-sum equal the full-batch loss only when ``loss_fn`` is a mean over samples of per-sample losses (TRL
-loss_type "grpo" or "sapo": SAMPLE_MEAN_LOSS_TYPES). ``single_pass_backward`` does one forward/backward
-under ``routing_mask`` and has no such requirement; the tests show the two agree in float64.
+``two_pass_backward`` is the reference: the good subset's pass, then the bad subset's, each loss times its share
+of the full-batch loss (``routing.loss_share``: n_sub/n for a mean over samples, the subset's share of the tokens
+for bnpo, 1 for a loss divided by the generation batch's token count), the side that must not learn from a pass
+having its ``.grad`` restored afterwards. ``single_pass_backward`` does one forward/backward under
+``routing_mask``; the tests show the two agree in float64 for every TRL loss type.
 
 Optimizer state (a stated choice): a routed-away side gets a zero gradient *tensor* in both steps (never
 None), so AdamW treats both steps alike. A zero gradient does not freeze a parameter: AdamW still moves
@@ -42,12 +42,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from trl_ext.batch import loss_mask
 from trl_ext.registry import ConfigError
 from trl_ext.routing.adapters import dual_lora_modules, forget_params, retain_params
 from trl_ext.routing.layout import check_routing_mode
+from trl_ext.routing.loss_share import pass_share
 
-# TRL loss types whose loss is a mean over samples of per-sample losses (required by two_pass_backward).
-SAMPLE_MEAN_LOSS_TYPES = ("grpo", "sapo")
 LossFn = Callable[[dict[str, Any]], torch.Tensor]
 Backward = Callable[[torch.Tensor], None]
 # --lora_config presets: name -> (retain_rank, forget_rank, alpha). As small-rl's LORA_PRESETS (train.py at
@@ -166,15 +166,16 @@ def _plain_backward(loss: torch.Tensor) -> None:
 
 def two_pass_backward(
     loss_fn: LossFn, batch: dict[str, Any], is_bad: torch.Tensor, model: nn.Module, mode: str,
-    backward: Backward = _plain_backward, sides: tuple[bool, bool] | None = None, keep_rows: bool = False,
+    backward: Backward = _plain_backward, sides: tuple[bool, bool] | None = None, keep_rows: bool = False, *,
+    loss_type: str,
 ) -> torch.Tensor:
     """Reference routed step (seed 004): one backward per non-empty side. Returns the detached loss.
 
-    ``backward`` is e.g. ``accelerator.backward``; ``loss_fn`` must be a mean over samples. ``keep_rows`` (several
-    processes): every pass sees all rows with the other side's ``completion_mask`` (TRL's key) zeroed, so that every
-    process calls the loss on the same shapes (TRL's loss gathers per-sample metrics); for a mean over samples that
-    is the subset's loss times n_sub / n, the same gradient. ``sides`` (good, bad), with ``keep_rows`` only: the
-    passes to run, which the trainer takes from every process (a side without rows here then adds exactly 0).
+    ``backward`` is e.g. ``accelerator.backward``; ``loss_fn`` normalises as TRL's ``loss_type`` does (each pass is
+    scaled by its share, ``routing.loss_share``). ``keep_rows`` (several processes): every pass sees all rows with the
+    other side's ``completion_mask`` (TRL's key) zeroed, so that every process calls the loss on the same shapes
+    (TRL's loss gathers per-sample metrics). ``sides`` (good, bad), with ``keep_rows`` only: the passes to run, which
+    the trainer takes from every process (a side without rows here then adds exactly 0).
     """
     check_routing_mode(mode)
     n = len(_check_is_bad(is_bad))
@@ -187,13 +188,14 @@ def two_pass_backward(
         if not sides[int(bad)]:
             continue
         rows = is_bad == bad
+        share = pass_share(loss_type, rows, loss_mask(batch), keep_rows)
         if keep_rows:
             mask = batch["completion_mask"]
-            loss = loss_fn({**batch, "completion_mask": mask * rows.to(mask.device, mask.dtype).unsqueeze(1)})
+            loss = loss_fn({**batch, "completion_mask": mask * rows.to(mask.device, mask.dtype).unsqueeze(1)}) * share
         else:
             idx = rows.nonzero().flatten()
             sub = batch if len(idx) == n else select_rows(batch, idx, n)
-            loss = loss_fn(sub) * (len(idx) / n)
+            loss = loss_fn(sub) * share
         with _gradients_kept(kept):
             backward(loss)
         total = loss.detach() if total is None else total + loss.detach()

@@ -323,8 +323,10 @@ class RoutingMixin:
 
         is_bad, mode, backward = inputs["is_bad"], self.args.routing_mode, self.accelerator.backward
         if self.accelerator.num_processes == 1:
-            step = two_pass_backward if self.args.routing_two_pass else single_pass_backward
-            loss = step(loss_fn, inputs, is_bad, model, mode, backward)
+            if self.args.routing_two_pass:
+                loss = two_pass_backward(loss_fn, inputs, is_bad, model, mode, backward, loss_type=self.loss_type)
+            else:
+                loss = single_pass_backward(loss_fn, inputs, is_bad, model, mode, backward)
         else:
             from trl_ext.routing.distributed import routed_backward
 
