@@ -204,8 +204,16 @@ def _parse_train(argv: list[str], procs: int, launched: bool = True) -> None:
 
     from trl_ext.sweep_plan import planned_processes
 
+    from trl_ext.runs.recipe import expand, split_recipes
+
     if argv == ["--help"]:
         return
+    paths, rest = split_recipes(argv)
+    if any("PLACEHOLDER" in str(p) for p in paths):  # output/<run>/run_config.yaml: the flags after it
+        argv = rest
+    else:
+        argv, _ = expand([a.replace("recipes/", f"{ROOT}/recipes/", 1) if a.startswith("recipes/") else a
+                          for a in argv], _train_parser())  # fmt: skip
     with contextlib.ExitStack() as stack:
         stack.enter_context(planned_processes(procs))
         if launched and procs > 1:

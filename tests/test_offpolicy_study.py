@@ -16,6 +16,16 @@ sys.modules[_spec.name] = study  # its dataclass looks its module up there
 _spec.loader.exec_module(study)
 
 
+
+def sweep_flags(group: str) -> dict:
+    """The flags every run of sweep ``group`` shares: its recipes' (recipes/offpolicy_*.toml), then its fixed values."""
+    from trl_ext.runs.recipe import load_recipe
+    from trl_ext.sweep import SweepArgs
+    from trl_ext.sweep_plan import build_spec
+
+    spec = build_spec(SweepArgs(config=str(study.SWEEPS / f"{group}.yaml")))
+    return {**{k: v for path in spec.recipes for k, v in load_recipe(Path(path)).flags.items()}, **spec.fixed}
+
 def test_arm_labels():
     strict16 = {"max_async_level": "16", "strict_async_level": "true"}
     assert study.arm_of({"max_async_level": "0", "learning_rate": "1e-4"}) == "k=0 sync, lr 1e-4"
@@ -148,12 +158,10 @@ def test_parallel_evaluation_equals_the_in_process_one(tmp_path, monkeypatch, jo
 def test_heldout_evaluation_plays_the_trained_task(task):
     """The report evaluates on the environment, parameters, turn limit and turn length the sweeps train with."""
     from environments.base import parse_env_params
-    from trl_ext.sweep import SweepArgs
-    from trl_ext.sweep_plan import build_spec
 
     t = study.TASKS[task]
     for group in t.groups:
-        fixed = build_spec(SweepArgs(config=str(study.SWEEPS / f"{group}.yaml"))).fixed
+        fixed = sweep_flags(group)
         assert fixed["env"] == t.env and parse_env_params(fixed["env_params"]) == t.env_params, group
         assert int(fixed.get("max_turns", 1)) == t.max_turns and int(fixed["max_completion_length"]) == t.max_new_tokens
 
@@ -278,11 +286,8 @@ def test_search_study_pins_its_committed_starting_model():
     import hashlib
     import json
 
-    from trl_ext.sweep import SweepArgs
-    from trl_ext.sweep_plan import build_spec
 
-    models = {build_spec(SweepArgs(config=str(study.SWEEPS / f"{g}.yaml"))).fixed["model"]
-              for name in ("search", "search_gpu") for g in study.TASKS[name].groups}  # fmt: skip
+    models = {sweep_flags(g)["model"] for name in ("search", "search_gpu") for g in study.TASKS[name].groups}
     assert len(models) == 1
     path = study.ROOT / models.pop()
     weights = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()

@@ -36,6 +36,8 @@ class Plan:
     train_data: object = None  # trl_ext.data.PromptData of --dataset (loaded once, at parse time)
     eval_data: object = None  # trl_ext.data.PromptData of --eval_dataset
     assembly: object = None  # trl_ext.assembly.Assembly: the run's prompt source, generation sources and features
+    flags: dict | None = None  # the flags given, recipes' and command line's (run_config.yaml's `flags`)
+    origin: Path | None = None  # the run whose run_config.yaml is this run's recipe (`trl_ext.runs.recipe`)
 
 
 def parser() -> HfArgumentParser:
@@ -64,6 +66,10 @@ def build_plan(argv: list[str]) -> Plan:
     from trl_ext.launch.processes import name_tag
     from trl_ext.launch.sharding import sharding_tag
 
+    from trl_ext.runs.recipe import expand, given_flags
+
+    typed = list(argv)
+    argv, recipes = expand(typed, parser())  # recipes' flags first, the command line's last (trl_ext.runs.recipe)
     # Several processes (torchrun) or sharding (FSDP, DeepSpeed): the registered parts a flag engages refuse what they
     # do not support while the flags parse (config.py -> trl_ext.launch); the allowed runs run as one DDP run.
     run, cfg, unknown = parser().parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
@@ -80,8 +86,8 @@ def build_plan(argv: list[str]) -> Plan:
     for name in [run.reward] * bool(run.reward) + run.eval_reward_names:
         reward_config.reward(name)
     train_data, eval_data = load_run_data(run, cfg, BUILTIN_MODELS)  # files load here: every data error exits 2
-    plan = Plan(run=run, cfg=cfg, reward_config=reward_config, run_dir=None, argv=list(argv), train_data=train_data,
-                eval_data=eval_data, assembly=assembly)  # fmt: skip
+    plan = Plan(run=run, cfg=cfg, reward_config=reward_config, run_dir=None, argv=typed, train_data=train_data,
+                eval_data=eval_data, assembly=assembly, flags=given_flags(argv, parser()))  # fmt: skip
     assembly.check(plan)  # with the rewards, the data and --model's config (LoRA targets, architectures)
     base_args, named = assembly.prompts.naming(run, cfg)  # the default run the name is compared with
     default_run, default_cfg = parser().parse_args_into_dataclasses(args=base_args)
@@ -90,7 +96,35 @@ def build_plan(argv: list[str]) -> Plan:
     plan.run_dir = Path(cfg.output_dir) / name
     cfg.run_name = name
     cfg.output_dir = str(plan.run_dir)
+    for recipe in recipes:
+        if recipe.origin is not None:
+            check_reproduces(plan, recipe)
     return plan
+
+
+def check_reproduces(plan: Plan, recipe) -> None:
+    """A run's own run_config.yaml as the recipe (`trl_ext.runs.recipe`): not into that run's directory, and its flags
+    alone must still resolve to the saved run's run-defining values and launch; the start weights are checked when
+    the model is resolved (`runs.provenance.start_weights`)."""
+    import yaml
+
+    from trl_ext.launch.processes import launch_record
+    from trl_ext.naming import is_defining
+    from trl_ext.runlog import resolved_config
+    from trl_ext.runs.checkpoints import config_differences
+    from trl_ext.runs.recipe import recipe_argv
+
+    if plan.run_dir.resolve() == recipe.origin.resolve():
+        raise ConfigError(f"{recipe.path} would run again in its own run directory {recipe.origin}: pass --output_dir "
+                          "DIR (the same run name under DIR) or --run_name NAME")
+    alone = build_plan(recipe_argv(recipe, parser()))
+    current = yaml.safe_load(yaml.safe_dump(resolved_config(alone.run, alone.cfg, extra=launch_record())))
+    diffs = config_differences(recipe.saved, current, is_defining, labels=("the run", "its flags now"))
+    if diffs:
+        raise ConfigError(f"{recipe.path}: the recorded flags no longer resolve to the run they record (a default or "
+                          f"the launch changed): {'; '.join(diffs)}; pass the run's values as flags, or launch it as "
+                          "it was launched")
+    plan.origin = recipe.origin
 
 
 def check_training_length(cfg: ExtGRPOConfig) -> None:

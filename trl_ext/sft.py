@@ -45,7 +45,8 @@ class SFTArgs:
     mode: str = field(default="rl", metadata={"help": "rl (GRPO) or sft (RAGEN SFT mode on BFS trajectories; --env)."})
     sft_train_size: int = field(default=2000, metadata={"help": "SFT mode: training levels solved by BFS."})
     sft_test_size: int = field(default=200, metadata={"help": "SFT mode: held-out levels of the validation rollout."})
-    sft_epochs: float = field(default=5.0, metadata={"help": "SFT mode: epochs over the BFS records."})
+    sft_epochs: float = field(default=5.0, metadata={"help": "SFT mode: epochs over the BFS records (a given --max_steps "
+                                                              "ends the run at that step instead)."})
 
     def validate_sft(self) -> None:
         if self.mode not in MODES:
@@ -200,6 +201,7 @@ def run_sft(plan) -> int:
                                  **run.lora_targets.peft_kwargs())  # targets: build_plan (check_run_adapters)
     sft_cfg = SFTConfig(
         output_dir=str(plan.run_dir), num_train_epochs=cfg.sft_epochs, learning_rate=cfg.learning_rate,
+        max_steps=cfg.max_steps if "max_steps" in (plan.flags or {}) else -1,  # given: it ends the run, else the epochs
         per_device_train_batch_size=cfg.per_device_train_batch_size, logging_steps=cfg.logging_steps,
         save_strategy="steps", save_steps=cfg.save_steps, report_to=[] if run.no_wandb else ["wandb"], seed=cfg.seed, bf16=cfg.bf16,
         max_length=None, lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps,

@@ -75,9 +75,11 @@ class SweepArgs:
     baselines: list[str] = _help("Baseline arms added next to every routed run (plain, filter, reward_penalty, "
                                  "retain_penalty); replaces a sweep file's baselines.", factory=list)
     config: str | None = _help(
-        "Named sweep YAML (keys: description, reward, grid, fixed, train_flags); a key given on the command "
+        "Named sweep YAML (keys: description, recipe, reward, grid, fixed, train_flags); a key given on the command "
         "line replaces the file's. train.py's own reward YAML is --fixed config=FILE."
     )
+    recipe: list[str] = _help("train.py recipes (run files, trl_ext.runs.recipe) every run starts from, the sweep's "
+                              "fixed and grid values over them; replaces a sweep file's recipe.", factory=list)
     dry_run: bool = _help("Print the planned runs (command, directory) and launch nothing.", False)
     per_gpu: int | None = _help(f"Concurrent runs per visible GPU (default {DEFAULT_PER_GPU}).")
     parallel: int | None = _help("Concurrent runs on a machine without GPU (default: one per CPU core).")

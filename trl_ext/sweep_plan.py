@@ -23,7 +23,7 @@ import yaml
 
 from trl_ext.registry import ConfigError
 
-FILE_KEYS = ("description", "needs", "reward", "grid", "fixed", "train_flags", "baselines")
+FILE_KEYS = ("description", "needs", "recipe", "reward", "grid", "fixed", "train_flags", "baselines")
 # Baseline arms a routing grid can add next to each routed run (small-rl sweep.py generate_baseline_runs, HEAD
 # 6f6e986): the same run without routing, plus the arm's flag. "plain" (small-rl's regular baseline) also drops
 # the labels; "filter", "reward_penalty" and "retain_penalty" keep them (same eligibility, recall, false
@@ -39,6 +39,7 @@ class SweepSpec:
     fixed: dict[str, str]
     train_flags: list[str]
     baselines: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # arm -> its extra flags
+    recipes: list[str] = dataclasses.field(default_factory=list)  # train.py recipes every run starts from
 
     @property
     def keys(self) -> list[str]:
@@ -109,6 +110,7 @@ def load_sweep_file(path: str | Path) -> SweepSpec:
 
         description: text
         needs: [flag, ...]          # train.py flags the sweep needs (checked first, one clear error)
+        recipe: FILE                # or [FILE, ...]: train.py recipes (trl_ext.runs.recipe) under every run's flags
         reward: NAME
         grid: {flag: [v, ...]}      # or a list of such grids: the union of their products (linked values)
         fixed: {flag: value}
@@ -144,6 +146,10 @@ def load_sweep_file(path: str | Path) -> SweepSpec:
         if flag_dest(k) in spec.fixed or any(flag_dest(k) in g for g in grids):
             raise ConfigError(f"{path}: {k!r} is set twice")
         spec.fixed[flag_dest(k)] = _scalar(f"{path}: fixed {k!r}", v)
+    recipe = data.get("recipe") or []
+    spec.recipes = [recipe] if isinstance(recipe, str) else recipe
+    if not isinstance(spec.recipes, list) or not all(isinstance(r, str) for r in spec.recipes):
+        raise ConfigError(f"{path}: 'recipe' must be a file or a list of files, got {recipe!r}")
     return spec
 
 
@@ -186,11 +192,31 @@ def build_spec(args) -> SweepSpec:
     spec.fixed.update(fixed)
     if args.baselines:
         spec.baselines = parse_baselines("--baselines", list(args.baselines))
+    if args.recipe:
+        spec.recipes = list(args.recipe)
+    check_recipes(spec)
     for flag in [flag_dest(f) for f in args.train_flags]:
         if flag in spec.train_flags or flag in spec.fixed or flag in spec.keys:
             raise ConfigError(f"train flag {flag!r} is given twice")
         spec.train_flags.append(flag)
     return spec
+
+
+def check_recipes(spec: SweepSpec) -> None:
+    """The recipes load; with baseline arms, the routing and label flags that an arm drops are not in a recipe (an arm
+    removes them from the sweep's flags, and could not remove them from a file)."""
+    from trl_ext.runs.recipe import load_recipe
+
+    for path in spec.recipes:
+        recipe = load_recipe(Path(path))
+        pinned = sorted(k for k in map(flag_dest, recipe.flags) if k in (*ROUTING_ONLY, *LABEL_ONLY))
+        if spec.baselines and pinned:
+            raise ConfigError(f"recipe {path} sets {', '.join(pinned)}, which the baseline arms drop: give them in the "
+                              "sweep's fixed or grid instead")
+
+
+def _recipe_args(spec: SweepSpec) -> list[str]:
+    return [a for path in spec.recipes for a in ("--recipe", path)]
 
 
 def _build_plan_quietly(argv: list[str]):
@@ -269,7 +295,7 @@ def _plan_runs(spec: SweepSpec) -> list[PlannedRun]:
         fixed, values, flags, arm = jobs.pop(0)
         label = " ".join(f"{k}={v}" for k, v in values.items()) or "single run"
         try:
-            plan = _build_plan_quietly(argv := _argv(fixed, values, flags))
+            plan = _build_plan_quietly(argv := _recipe_args(spec) + _argv(fixed, values, flags))
         except ValueError as e:
             raise ConfigError(f"run {len(runs) + 1} ({label}): {e}") from None
         run = PlannedRun(len(runs), values, argv, plan.run_dir)

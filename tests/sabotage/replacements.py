@@ -183,6 +183,29 @@ def shares_by_sample_count(orig):
     return pass_share
 
 
+def recipe_flags_last(orig):
+    """expand puts the recipes' flags after the command line's: the recipe overrides what was typed."""
+
+    def expand(argv, parser):
+        from trl_ext.runs.recipe import recipe_argv
+
+        full, recipes = orig(argv, parser)
+        mine = [a for r in recipes for a in recipe_argv(r, parser)]
+        return full[len(mine):] + mine, recipes
+
+    return expand
+
+
+def no_reproduction_check(orig):
+    """check_reproduces checks nothing: a run_config.yaml recipe runs into its own directory, or as another run when a
+    default changed."""
+
+    def check_reproduces(plan, recipe):
+        plan.origin = recipe.origin
+
+    return check_reproduces
+
+
 def no_gradient_restore(orig):
     """_gradients_kept restores nothing: the two-pass step's routed-away side keeps the gradient of the pass it must
     not learn from."""

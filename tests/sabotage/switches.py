@@ -72,6 +72,8 @@ kl_on_dropped_tokens = _R.kl_on_dropped_tokens
 unrouted_single_pass = _R.unrouted_single_pass
 no_gradient_restore = _R.no_gradient_restore
 shares_by_sample_count = _R.shares_by_sample_count
+recipe_flags_last = _R.recipe_flags_last
+no_reproduction_check = _R.no_reproduction_check
 unrouted_under_fsdp = _R.unrouted_under_fsdp
 scales_unchanged = _R.scales_unchanged
 no_context_ids = _R.no_context_ids
@@ -209,6 +211,15 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "trl_ext.routing.step", "pass_share", shares_by_sample_count,
       ("tests/test_routing_step.py::test_every_loss_type_routes_as_its_definition",
        "tests/test_offpolicy_compose.py::test_routed_trainer_offpolicy_loss_single_equals_two_pass")),
+    M("recipe_order",
+      "docs/recipes.md: the command line comes after the recipes, so the last value of a flag wins",
+      "trl_ext.runs.recipe", "expand", recipe_flags_last,
+      ("tests/test_recipes.py::test_recipe_flags_come_first_and_the_command_line_wins",)),
+    M("recipe_reproduction_check",
+      "docs/recipes.md: a run's run_config.yaml as a recipe refuses its own directory and flags that no longer resolve "
+      "to the run",
+      "trl_ext.cli_train", "check_reproduces", no_reproduction_check,
+      ("tests/test_recipes.py::test_a_run_config_recipe_refusals",)),
     M("routing_two_pass_restore",
       "docs/routing.md: the two-pass step restores the routed-away side's gradient after each pass",
       "trl_ext.routing.step", "_gradients_kept", no_gradient_restore,

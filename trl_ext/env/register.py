@@ -35,6 +35,15 @@ class Sft(Feature):
     def supports(self, launch) -> str | None:
         return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
+    def check(self, plan) -> None:
+        """SFT trains by --sft_epochs; a given --max_steps ends it at that step (HF's max_steps over epochs), said
+        when both are given (a recipe's epochs and a short command-line run)."""
+        import warnings
+
+        if {"max_steps", "sft_epochs"} <= set(plan.flags or {}):
+            warnings.warn(f"--mode sft: --max_steps {plan.cfg.max_steps} ends the run, before --sft_epochs "
+                          f"{plan.cfg.sft_epochs:g} would", stacklevel=2)
+
     def run(self, plan) -> int | None:
         from trl_ext.sft import run_sft
 

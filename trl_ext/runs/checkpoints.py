@@ -96,17 +96,21 @@ def saved_run_config(ckpt_dir: Path) -> dict:
                       "checkpoint belongs to this command")
 
 
-def config_differences(saved: dict, current: dict, is_defining) -> list[str]:
-    """``section.field: checkpoint X, command Y`` for every run-defining field whose value differs.
+def config_differences(saved: dict, current: dict, is_defining, labels=("checkpoint", "command")) -> list[str]:
+    """``field: checkpoint X, command Y`` (``labels``) for every run-defining field whose value differs.
 
-    ``saved`` / ``current`` are run_config.yaml dicts ({section: {field: value}}); ``is_defining(field)`` decides
-    which fields define the run (naming.is_defining: logging and output fields do not)."""
+    ``saved`` / ``current`` are run_config.yaml dicts ({section: {field: value}}; the record of the flags given,
+    `runs.recipe.FLAGS_SECTION`, is not compared: flags typed differently can resolve alike); ``is_defining(field)``
+    decides which fields define the run (naming.is_defining: logging and output fields do not)."""
+    from trl_ext.runs.recipe import FLAGS_SECTION
+
+    was, now = labels
     diffs = []
-    for section in sorted(set(saved) | set(current)):
+    for section in sorted((set(saved) | set(current)) - {FLAGS_SECTION}):
         old, new = saved.get(section) or {}, current.get(section) or {}
         if not isinstance(old, dict) or not isinstance(new, dict):
             continue
         for name in sorted(set(old) | set(new)):
             if is_defining(name) and old.get(name, "<absent>") != new.get(name, "<absent>"):
-                diffs.append(f"{name}: checkpoint {old.get(name, '<absent>')!r}, command {new.get(name, '<absent>')!r}")
+                diffs.append(f"{name}: {was} {old.get(name, '<absent>')!r}, {now} {new.get(name, '<absent>')!r}")
     return diffs

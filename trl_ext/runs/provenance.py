@@ -112,6 +112,26 @@ def start_weights(plan, model_path: str, teacher=None) -> None:
             out["teacher"] = fingerprint(plan.cfg.teacher_model, teacher.config._name_or_path)
         return out
 
-    line = on_main(lambda: record_start_weights(plan.run_dir, record(), resumed=plan.resume is not None))
+    def checked() -> str:
+        now = record()
+        origin = getattr(plan, "origin", None)  # the run whose run_config.yaml is this run's recipe
+        if origin is not None:
+            check_same_start(origin, now)
+        return record_start_weights(plan.run_dir, now, resumed=plan.resume is not None)
+
+    line = on_main(checked)
     if is_main():
         print(line, flush=True)
+
+
+def check_same_start(origin: Path, record: dict) -> None:
+    """A run from another run's run_config.yaml starts from that run's start weights (a builtin model's pinned build,
+    the same local files, the same hub commit), its distillation teacher included; ConfigError otherwise."""
+    old = read_start_weights(origin)
+    if old is None:
+        raise ConfigError(f"{origin} has no {START_WEIGHTS}: its start weights cannot be checked, so its "
+                          "run_config.yaml cannot reproduce it")
+    if start_id(old) != start_id(record):
+        raise ConfigError(f"{origin} started from --model {old['model']}, weights {start_id(old)} ({old['path']}); "
+                          f"--model {record['model']} now loads {start_id(record)} ({record['path']}): its "
+                          "run_config.yaml would not reproduce it")

@@ -117,7 +117,10 @@ def start_on_main(plan, prepare=None):
     tee = open_run_dir(plan)
     if prepare is not None:
         prepare(plan)
-    write_run_config(plan.run_dir / "run_config.yaml", plan.run, plan.cfg, extra=launch_record())
+    from trl_ext.runs.recipe import FLAGS_SECTION
+
+    write_run_config(plan.run_dir / "run_config.yaml", plan.run, plan.cfg,
+                     extra={**(launch_record() or {}), FLAGS_SECTION: plan.flags or {}})  # a recipe of this run
     return tee
 
 
