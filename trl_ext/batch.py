@@ -21,6 +21,8 @@ is_rh                      [B] bool    scorer       an RH detector is configured
 is_bad                     [B] bool    scorer       routing labels (routing or a baseline arm), training
 distill_lp_teacher         [B, C]      scorer       distillation's token path with ``--teacher_tau > 0``
 distill_gate               [B]         scorer       distillation's token path with ``--kl_only_incorrect``
+record_index               [B] long    records      ``--token_records_every``, a due step: the sample's row in the
+                                                    generation batch (the token records' join key)
 =========================  ==========  ===========  ========================================================
 
 The loss mask of every loss, ratio, importance mask and KL is ``completion_mask * tool_mask`` (`loss_mask`):
@@ -37,7 +39,7 @@ import torch
 ALWAYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
 TOKEN_KEYS = ("completion_mask", "tool_mask", "sampling_per_token_logps", "behaviour_versions", "old_per_token_logps",
               "ref_per_token_logps", "distill_lp_teacher")
-SAMPLE_KEYS = ("advantages", "is_rh", "is_bad", "distill_gate")
+SAMPLE_KEYS = ("advantages", "is_rh", "is_bad", "distill_gate", "record_index")
 
 
 @dataclass(frozen=True)

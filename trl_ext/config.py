@@ -234,6 +234,14 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, S
             "teacher/student log-prob sums, policy versions) to {run_dir}/rollouts/ as parquet shards, one per step."
         },
     )
+    token_records_every: int = field(
+        default=0,
+        metadata={
+            "help": "With --save_rollouts: every N-th step, also one row per completion token (policy version, "
+            "behaviour and trainer log-probs, ratio, the mask or clip that acted, advantage, teacher log-prob, "
+            "adapter side) in {run_dir}/rollouts/tokens/ (trl_ext.runs.token_records); 0 = none."
+        },
+    )
 
     def __post_init__(self):
         check_cfg_processes(self)  # before TrainingArguments starts a process group
@@ -248,6 +256,13 @@ class ExtGRPOConfig(DistillArgs, RoutingArgs, OffPolicyArgs, EnvArgs, SFTArgs, S
             raise ConfigError(f"--beta must be >= 0, got {self.beta}")
         if self.zero_signal_patience < 1:
             raise ConfigError(f"--zero_signal_patience must be >= 1, got {self.zero_signal_patience}")
+        if self.token_records_every < 0:
+            raise ConfigError(f"--token_records_every must be >= 0, got {self.token_records_every}")
+        if self.token_records_every and not self.save_rollouts:
+            raise ConfigError("--token_records_every needs --save_rollouts (a token row joins its completion's row)")
+        if self.token_records_every and self.num_iterations != 1:
+            raise ConfigError(f"--token_records_every records one loss per token: not with --num_iterations "
+                              f"{self.num_iterations}")
         self.validate_extensions()
         multi_process_settings(self)  # several processes on CPU: gloo, so the Trainer sees a distributed run
         try:

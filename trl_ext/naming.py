@@ -42,6 +42,7 @@ NOT_DEFINING = {
     "zero_signal_patience", "num_completions_to_print", "disable_tqdm", "overwrite_output_dir",
     "resume_from_checkpoint", "overwrite_run", "generation_batch_size", "eval_routing_steps", "logging_dir",
     "do_eval", "per_device_eval_batch_size", "num_generations_eval",  # TRL's eval loop (--eval_dataset)
+    "token_records_every",  # what the run writes, not what it trains (trl_ext.runs.token_records)
     "parallelism",  # run_config.yaml's launch.parallelism: read from the prepared model, it describes the run
     # where the servers are (trl_ext.serve): a resume may find them on other ports or hosts
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",

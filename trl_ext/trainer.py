@@ -13,7 +13,8 @@ batch dict every stage reads and extends:
    log-probs (distillation);
 4. **estimator** (`trl_ext.estimator`): the one decision on the advantages (TRL's, ``--adv_estimator``,
    distillation's, then a routing arm); combinations that would leave one unused are parse-time errors;
-5. **records**: ``--eval_rewards``, the zero-signal monitor, ``--save_rollouts``, the schema check.
+5. **records**: ``--eval_rewards``, the zero-signal monitor, ``--save_rollouts`` and its token records
+   (``--token_records_every``, `runs.token_mixin`), the schema check.
 
 Then per micro-batch: **loss** (`_compute_loss`): TRL's, or the off-policy importance-sampling loss, with
 distillation's token bonus around either; **backward** (`training_step`): routing's routed backward when on;
@@ -47,13 +48,14 @@ from trl_ext.routing.trainer import RoutingMixin
 from trl_ext.runs import rollouts
 from trl_ext.runs.faults import NumericFault, check_rewards, guard_reward
 from trl_ext.runs.mixin import CheckpointMixin
+from trl_ext.runs.token_mixin import TokenRecordsMixin
 from trl_ext.vllm.trainer import VLLMMixin
 
 TextReward = Callable[[list[str]], list[float]]
 
 
-class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, VLLMMixin, OffPolicyMixin, EnvMixin,
-                     GenerationMixin, GRPOTrainer):
+class ExtGRPOTrainer(TokenRecordsMixin, CheckpointMixin, DistillMixin, RoutingMixin, VLLMMixin, OffPolicyMixin,
+                     EnvMixin, GenerationMixin, GRPOTrainer):
     def __init__(self, *args, eval_reward_funcs: dict[str, TextReward] | None = None,
                  reward_names: list[str] | None = None, **kwargs):
         """GRPOTrainer's arguments, the feature mixins' keyword arguments (routing: ``rh_detector``, ...),
@@ -225,7 +227,9 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, VLLMMixin, Off
         with self.distill_token_bonus(inputs):
             if self.offpolicy_loss_on:
                 return self.offpolicy_loss(model, inputs)
-            return GRPOTrainer._compute_loss(self, model, inputs)
+            with self.capture_trl_loss(inputs):  # --token_records_every: the rows this loss trains
+                loss = GRPOTrainer._compute_loss(self, model, inputs)
+            return loss
 
     def write_rollouts(self, batch: dict[str, Any], eval_values: dict[str, list]) -> None:
         """Write this batch's samples to ``{run_dir}/rollouts/`` (schema: `trl_ext.runs.rollouts`)."""
@@ -264,6 +268,8 @@ class ExtGRPOTrainer(CheckpointMixin, DistillMixin, RoutingMixin, VLLMMixin, Off
             cols[key] = values
         for key in rollouts.OPTIONAL_COLUMNS:
             cols.setdefault(key, [None] * n)
+        if self.token_records_due():  # --token_records_every: this step's token rows (`runs.token_mixin`)
+            self.start_token_records(batch, cols, first)
         if self.accelerator.num_processes > 1:  # one shard per step, written by the main process
             from accelerate.utils import gather_object
 

@@ -183,6 +183,15 @@ def shares_by_sample_count(orig):
     return pass_share
 
 
+def unlabelled_masks(orig):
+    """mask_labels names no mask: every token record says kept, whatever the importance masks dropped."""
+
+    def mask_labels(masks, loss_mask):
+        return [[None] * loss_mask.size(1) for _ in range(loss_mask.size(0))]
+
+    return mask_labels
+
+
 def recipe_flags_last(orig):
     """expand puts the recipes' flags after the command line's: the recipe overrides what was typed."""
 

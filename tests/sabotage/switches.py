@@ -73,6 +73,7 @@ unrouted_single_pass = _R.unrouted_single_pass
 no_gradient_restore = _R.no_gradient_restore
 shares_by_sample_count = _R.shares_by_sample_count
 recipe_flags_last = _R.recipe_flags_last
+unlabelled_masks = _R.unlabelled_masks
 no_reproduction_check = _R.no_reproduction_check
 unrouted_under_fsdp = _R.unrouted_under_fsdp
 scales_unchanged = _R.scales_unchanged
@@ -211,6 +212,11 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "trl_ext.routing.step", "pass_share", shares_by_sample_count,
       ("tests/test_routing_step.py::test_every_loss_type_routes_as_its_definition",
        "tests/test_offpolicy_compose.py::test_routed_trainer_offpolicy_loss_single_equals_two_pass")),
+    M("token_record_masks",
+      "docs/offpolicy.md: each token record names the importance mask that dropped the token",
+      "trl_ext.runs.token_records", "mask_labels", unlabelled_masks,
+      ("tests/test_token_records.py::test_mask_labels_name_the_first_mask_in_order",
+       "tests/test_token_records.py::test_offpolicy_multiturn_run_records_every_token_and_its_mask")),
     M("recipe_order",
       "docs/recipes.md: the command line comes after the recipes, so the last value of a flag wins",
       "trl_ext.runs.recipe", "expand", recipe_flags_last,

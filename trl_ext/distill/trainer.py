@@ -177,6 +177,7 @@ class DistillMixin:
         mask = loss_mask(batch)
         prompts = [row["prompt"] for row in inputs]
         lp_teacher = self.score_teacher(batch, prompts) if cfg.teacher_tau > 0 else None
+        self._distill_lp_teacher = lp_teacher  # the token records' teacher_logprob (runs.token_mixin)
         lp_student = self.student_sampling_logps(batch) if cfg.has_kl else None
         group = self.num_generations if mode == "train" else self.num_generations_eval
         task, self._distill_task = self._distill_task, None

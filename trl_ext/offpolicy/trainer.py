@@ -281,6 +281,7 @@ class OffPolicyMixin:
         kwargs = {"num_items_in_batch": num_items, "max_completion_length": self.max_completion_length}
         out = importance_loss(lp, inputs["sampling_per_token_logps"], inputs["advantages"], mask,
                               self.offpolicy_cfg, self.loss_type, **kwargs)  # fmt: skip
+        self.record_offpolicy_tokens(inputs, lp, out.masks, mask)  # --token_records_every (runs.token_mixin)
         loss = out.loss
         logged = {f"offpolicy/{name}": value for name, value in out.metrics.items()}
         if self.beta != 0.0:  # kept tokens only, weighted by the policy term's (clipped) ratio: offpolicy.importance

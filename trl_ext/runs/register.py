@@ -11,7 +11,7 @@ class SavedRollouts(Feature):
     parameters: tests/test_procs_runs.py); not under DeepSpeed: not run there yet."""
 
     what = "saved rollouts"
-    flags = ("save_rollouts",)
+    flags = ("save_rollouts", "token_records_every")
 
     def supports(self, launch) -> str | None:
         return None if launch.sharding == "FSDP" else launch.unsharded(self.what)

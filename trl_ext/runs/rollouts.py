@@ -16,7 +16,9 @@ Schema (`features`; one row per completion):
   episode's environment and level; a mixture's groups each hold one environment): null where the run has no such value
 - ``completion_tokens`` (tokens in the loss mask)
 
-Read them with ``load_rollouts(run_dir, step)`` or ``uv run python -m trl_ext.runs.rollouts RUN_DIR --step N``.
+Read them with ``load_rollouts(run_dir, step)`` or ``uv run python -m trl_ext.runs.rollouts RUN_DIR --step N``; the
+token records (``--token_records_every``, `runs.token_records`) with ``token_table(run_dir)`` or ``... RUN_DIR --tokens
+[--step N] [--where QUERY]``.
 """
 
 from __future__ import annotations
@@ -99,9 +101,9 @@ def write_shard(path: Path, columns: dict[str, list], feats) -> None:
     os.replace(tmp, path)
 
 
-def shard_steps(run_dir: str | Path) -> dict[int, list[Path]]:
+def shard_steps(run_dir: str | Path, folder_name: str = ROLLOUT_DIR) -> dict[int, list[Path]]:
     out: dict[int, list[Path]] = {}
-    folder = Path(run_dir) / ROLLOUT_DIR
+    folder = Path(run_dir) / folder_name
     for p in sorted(folder.iterdir()) if folder.is_dir() else []:
         m = _SHARD.match(p.name)
         if m:
@@ -112,13 +114,16 @@ def shard_steps(run_dir: str | Path) -> dict[int, list[Path]]:
 def discard_after(run_dir: str | Path, step: int) -> Path | None:
     """Move the shards of steps after ``step`` (written by an interrupted run, never committed to a checkpoint) to
     ``rollouts/discarded-{timestamp}/`` before a resume regenerates them; returns that folder (None if none)."""
+    from trl_ext.runs.token_records import TOKEN_DIR
+
     late = [p for s, paths in shard_steps(run_dir).items() if s > step for p in paths]
+    late += [p for s, paths in shard_steps(Path(run_dir) / ROLLOUT_DIR, TOKEN_DIR).items() if s > step for p in paths]
     if not late:
         return None
     target = Path(run_dir) / ROLLOUT_DIR / f"discarded-{time.strftime('%Y%m%d-%H%M%S')}"
     target.mkdir(parents=True, exist_ok=True)
     for p in late:
-        p.rename(target / p.name)
+        p.rename(target / (p.name if p.parent.name == ROLLOUT_DIR else f"{p.parent.name}-{p.name}"))
     return target
 
 
@@ -134,12 +139,50 @@ def load_rollouts(run_dir: str | Path, step: int | None = None):
     return load_dataset("parquet", data_files=files, split="train")
 
 
+def token_table(run_dir: str | Path, step: int | None = None, where: str | None = None):
+    """The token records of a run (one step, or all) joined with their completions' rows (the reward components and
+    eval rewards), as a pandas DataFrame; ``where``: a `DataFrame.query` over its columns."""
+    from trl_ext.runs.token_records import load_token_records
+
+    tokens = load_token_records(run_dir, step).to_pandas()
+    rows = load_rollouts(run_dir, step).to_pandas()
+    extra = [c for c in rows.columns if c.startswith(("reward/", "eval_reward/"))]
+    table = tokens.merge(rows[["step", "sample", *extra]], on=["step", "sample"], how="left", validate="many_to_one")
+    return table.query(where) if where else table
+
+
+def print_tokens(args) -> int:
+    try:
+        table = token_table(args.run_dir, args.step, args.where)
+    except FileNotFoundError as e:
+        print(f"rollouts: error: {e}", file=sys.stderr)
+        return 2
+    trained = table[table["trained"]]
+    masked = trained["masked_by"].value_counts().to_dict()
+    print(f"{args.run_dir}: {len(table)} token rows{'' if args.where is None else f' where {args.where}'}; "
+          f"{len(trained)} trained, masked {sum(masked.values())} {masked}, clipped "
+          f"{int(trained['clipped'].notna().sum())}")
+    shown = table if args.n == 0 else table.head(args.n)
+    print(shown.to_string(index=False, max_colwidth=24))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Print the saved rollouts of a run's step.")
+    ap = argparse.ArgumentParser(description="Print the saved rollouts of a run's step, or its token records.")
     ap.add_argument("run_dir")
-    ap.add_argument("--step", type=int, required=True)
+    ap.add_argument("--step", type=int, default=None, help="the step (required without --tokens)")
     ap.add_argument("--n", type=int, default=8, help="rows to print (0 = all)")
+    ap.add_argument("--tokens", action="store_true", help="the token records (--token_records_every), joined with "
+                    "their completions' reward components")
+    ap.add_argument("--where", default=None, help="with --tokens: a pandas query over the columns, e.g. "
+                    "\"trained and masked_by == 'token_high' and is_rh\"")
     args = ap.parse_args(argv)
+    if args.tokens:
+        return print_tokens(args)
+    if args.where is not None:
+        ap.error("--where filters the token records: add --tokens")
+    if args.step is None:
+        ap.error("--step is required (or --tokens)")
     try:
         ds = load_rollouts(args.run_dir, args.step)
     except FileNotFoundError as e:
