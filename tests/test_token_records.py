@@ -69,10 +69,10 @@ def test_token_records_need_saved_rollouts(train_cli_error):
                                                             "--token_records_every", "1", "--num_iterations", "2")
 
 
-def _train(tmp_path: Path, *flags: str) -> Path:
+def _train(tmp_path: Path, steps: int, *flags: str) -> Path:
     out = tmp_path / "out"
-    proc = zygote.run([sys.executable, "train.py", "--max_steps", "3", "--save_rollouts", "--no_wandb", "--output_dir",
-                       str(out), *flags], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = zygote.run([sys.executable, "train.py", "--max_steps", str(steps), "--save_rollouts", "--no_wandb",
+                       "--output_dir", str(out), *flags], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = out.iterdir()
     return run_dir
@@ -100,7 +100,7 @@ def test_offpolicy_multiturn_run_records_every_token_and_its_mask(tmp_path):
     """Strict k = 1 on the multi-turn prisoner's dilemma with tight token masks (ratio outside [0.99, 1.01] dropped), records on
     step 2 (every 2nd step): environment tokens have rows, untrained; each masked token's
     label agrees with its ratio and the thresholds; the lag is 1 after the first step."""
-    run_dir = _train(tmp_path, "--env", "prisoners_dilemma", "--model", "builtin_env", "--max_turns", "2",
+    run_dir = _train(tmp_path, 2, "--env", "prisoners_dilemma", "--model", "builtin_env", "--max_turns", "2",
                      "--batch_size", "8", "--num_generations", "4", "--max_completion_length", "24", "--lr", "1e-3",
                      "--max_async_level", "1", "--strict_async_level", "--token_mask_low", "0.99",
                      "--token_mask_high", "1.01", "--token_records_every", "2")  # fmt: skip
@@ -121,11 +121,11 @@ def test_routed_on_policy_run_records_the_adapter_side(tmp_path):
     """k = 0 (TRL's own loss) with gradient routing and distillation: the behaviour log-prob is the trainer's at
     k = 0 (ratio 1, nothing masked or clipped), each token carries its sample's adapter side from the routing label,
     and its teacher log-prob."""
-    run_dir = _train(tmp_path, "--reward", "sentence_length_5_with_happy", "--gradient_routing", "--routing_mode",
+    run_dir = _train(tmp_path, 2, "--reward", "sentence_length_5_with_happy", "--gradient_routing", "--routing_mode",
                      "exclusive", "--lora_config", "r2", "--eval_routing_steps", "0", "--batch_size", "8",
                      "--num_generations", "4", "--max_completion_length", "12", "--teacher_context", "A happy story.",
                      "--teacher_tau", "0.5", "--student_tau", "0.5", "--token_records_every", "1")  # fmt: skip
-    table, trained = _check_rows(run_dir, [1, 2, 3])
+    table, trained = _check_rows(run_dir, [1, 2])
     assert (trained["ratio"] - 1).abs().max() < 1e-5 and trained["masked_by"].isna().all()
     assert trained["clipped"].isna().all() and trained["teacher_logprob"].notna().all()
     assert set(trained["adapter"]) <= {"retain", "forget"} and (trained["policy_version"] == trained["step"] - 1).all()

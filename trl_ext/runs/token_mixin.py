@@ -33,7 +33,7 @@ class TokenRecordsMixin:
     def start_token_records(self, batch: dict, cols: dict[str, list], first: int) -> None:
         """Stage 1: ``cols`` are this process's saved-rollout columns of ``batch`` (rows ``first`` ...)."""
         step = self.state.global_step + 1
-        tok, a = self.processing_class, self.args
+        tok = self.processing_class
         self._token_table = table = tr.TokenTable(step)
         real, trained = batch["completion_mask"].bool(), loss_mask(batch).bool()
         versions = batch.get("behaviour_versions")

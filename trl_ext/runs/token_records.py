@@ -20,8 +20,8 @@ what the generator and the loss saw for that token:
   this sample trained, "retain+forget", "retain" or "forget").
 
 Environment tokens have rows too (the loss fields null), so a transcript reads in order. On a run of several
-processes the main process gathers the rows and writes the shard alone. Size: about 40 bytes per token in the
-shard (parquet, snappy): docs/offpolicy.md gives the measured bytes per step.
+processes the main process gathers the rows and writes the shard alone. Size: about 37 bytes per row in the
+shard (docs/experiments/offpolicy.md#which-tokens-do-the-masks-drop gives the measured bytes per step).
 """
 
 from __future__ import annotations
