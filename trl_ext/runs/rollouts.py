@@ -139,11 +139,30 @@ def load_rollouts(run_dir: str | Path, step: int | None = None):
     return load_dataset("parquet", data_files=files, split="train")
 
 
+def token_shard_path(run_dir: str | Path, step: int) -> Path:
+    from trl_ext.runs.token_records import TOKEN_DIR
+
+    return Path(run_dir) / ROLLOUT_DIR / TOKEN_DIR / f"step-{step:06d}-rank0.parquet"
+
+
+def load_token_records(run_dir: str | Path, step: int | None = None):
+    """A run's token records (all steps, or one) as a `datasets.Dataset`."""
+    from datasets import load_dataset
+
+    from trl_ext.runs.token_records import TOKEN_DIR
+
+    folder = Path(run_dir) / ROLLOUT_DIR / TOKEN_DIR
+    files = sorted(str(p) for p in folder.glob("step-*-rank0.parquet")
+                   if step is None or p.name == f"step-{step:06d}-rank0.parquet")  # fmt: skip
+    if not files:
+        raise FileNotFoundError(f"no token records{'' if step is None else f' for step {step}'} in {folder} "
+                                "(train.py --save_rollouts --token_records_every N writes them)")
+    return load_dataset("parquet", data_files=files, split="train")
+
+
 def token_table(run_dir: str | Path, step: int | None = None, where: str | None = None):
     """The token records of a run (one step, or all) joined with their completions' rows (the reward components and
     eval rewards), as a pandas DataFrame; ``where``: a `DataFrame.query` over its columns."""
-    from trl_ext.runs.token_records import load_token_records
-
     tokens = load_token_records(run_dir, step).to_pandas()
     rows = load_rollouts(run_dir, step).to_pandas()
     extra = [c for c in rows.columns if c.startswith(("reward/", "eval_reward/"))]

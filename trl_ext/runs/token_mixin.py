@@ -136,7 +136,7 @@ class TokenRecordsMixin:
         return loss
 
     def write_token_records(self) -> None:
-        from trl_ext.runs.rollouts import write_shard
+        from trl_ext.runs.rollouts import token_shard_path, write_shard
 
         table, self._token_table = self._token_table, None
         missing = table.missing()
@@ -150,4 +150,4 @@ class TokenRecordsMixin:
             cols = {key: gather_object(values) for key, values in cols.items()}
             if not self.accelerator.is_main_process:
                 return
-        write_shard(tr.token_shard_path(self.args.output_dir, table.step), cols, tr.features())
+        write_shard(token_shard_path(self.args.output_dir, table.step), cols, tr.features())

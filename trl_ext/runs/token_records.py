@@ -27,7 +27,6 @@ shard (docs/experiments/offpolicy.md#which-tokens-do-the-masks-drop gives the me
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
@@ -122,22 +121,3 @@ class TokenTable:
 
 def finite(values: list[float]) -> list[float | None]:
     return [v if v is not None and math.isfinite(v) else None for v in values]
-
-
-def token_shard_path(run_dir: str | Path, step: int) -> Path:
-    from trl_ext.runs.rollouts import ROLLOUT_DIR
-
-    return Path(run_dir) / ROLLOUT_DIR / TOKEN_DIR / f"step-{step:06d}-rank0.parquet"
-
-
-def load_token_records(run_dir: str | Path, step: int | None = None):
-    """A run's token records (all steps, or one) as a `datasets.Dataset`."""
-    from datasets import load_dataset
-
-    folder = Path(run_dir) / "rollouts" / TOKEN_DIR
-    files = sorted(str(p) for p in folder.glob("step-*-rank0.parquet")
-                   if step is None or p.name == f"step-{step:06d}-rank0.parquet")  # fmt: skip
-    if not files:
-        raise FileNotFoundError(f"no token records{'' if step is None else f' for step {step}'} in {folder} "
-                                "(train.py --save_rollouts --token_records_every N writes them)")
-    return load_dataset("parquet", data_files=files, split="train")
