@@ -46,7 +46,7 @@ def parser() -> HfArgumentParser:
 
     from trl_ext.cli_help import group_flags
 
-    p = group_flags(HfArgumentParser((RunArgs, ExtGRPOConfig)), ExtGRPOConfig)
+    p = group_flags(HfArgumentParser((RunArgs, ExtGRPOConfig), allow_abbrev=False), ExtGRPOConfig)
     p.set_defaults(**TRAIN_DEFAULTS)  # the seed's validated values of TRL's fields (the Python API keeps TRL's)
     for action in p._actions:  # `bool | None = None` fields (TRL's bf16 ...): a bare --flag means true, as for bools
         if action.type is string_to_bool and action.nargs is None:
@@ -68,11 +68,11 @@ def build_plan(argv: list[str]) -> Plan:
 
     from trl_ext.runs.recipe import expand, given_flags
 
-    typed = list(argv)
-    argv, recipes = expand(typed, parser())  # recipes' flags first, the command line's last (trl_ext.runs.recipe)
+    typed, p = list(argv), parser()  # one parser for the whole plan: parsing does not change it
+    argv, recipes = expand(typed, p)  # recipes' flags first, the command line's last (trl_ext.runs.recipe)
     # Several processes (torchrun) or sharding (FSDP, DeepSpeed): the registered parts a flag engages refuse what they
     # do not support while the flags parse (config.py -> trl_ext.launch); the allowed runs run as one DDP run.
-    run, cfg, unknown = parser().parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    run, cfg, unknown = p.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         raise ConfigError(f"unknown arguments: {' '.join(unknown)} (see train.py --help)")
     check_training_length(cfg)
@@ -87,10 +87,10 @@ def build_plan(argv: list[str]) -> Plan:
         reward_config.reward(name)
     train_data, eval_data = load_run_data(run, cfg, BUILTIN_MODELS)  # files load here: every data error exits 2
     plan = Plan(run=run, cfg=cfg, reward_config=reward_config, run_dir=None, argv=typed, train_data=train_data,
-                eval_data=eval_data, assembly=assembly, flags=given_flags(argv, parser()))  # fmt: skip
+                eval_data=eval_data, assembly=assembly, flags=given_flags(argv, p))  # fmt: skip
     assembly.check(plan)  # with the rewards, the data and --model's config (LoRA targets, architectures)
     base_args, named = assembly.prompts.naming(run, cfg)  # the default run the name is compared with
-    default_run, default_cfg = parser().parse_args_into_dataclasses(args=base_args)
+    default_run, default_cfg = p.parse_args_into_dataclasses(args=base_args)
     name = cfg.run_name or (run_name(named, cfg, default_run, default_cfg, adapter_tag(run, cfg)) + name_tag()
                             + sharding_tag(cfg))  # fmt: skip
     plan.run_dir = Path(cfg.output_dir) / name

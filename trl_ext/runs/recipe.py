@@ -139,13 +139,13 @@ def expand(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str],
 
 
 def given_flags(argv: list[str], parser: argparse.ArgumentParser) -> dict:
-    """The flags ``argv`` gives ({dest: value as parsed}), less `NOT_RECORDED`: run_config.yaml's ``flags``.
-    ``parser`` is changed (its defaults suppressed): pass a fresh one."""
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
-    parser._defaults.clear()
+    """The flags ``argv`` gives ({dest: value as parsed}), less `NOT_RECORDED`: run_config.yaml's ``flags``. The
+    options are matched whole (train.py's parser takes no abbreviations)."""
     namespace, _ = parser.parse_known_args(argv)
-    return {k: _plain(v) for k, v in vars(namespace).items() if k not in NOT_RECORDED}
+    actions = parser._option_string_actions
+    given = {actions[a.split("=", 1)[0]].dest for a in argv if a.startswith("--") and a.split("=", 1)[0] in actions}
+    return {k: _plain(getattr(namespace, k)) for k in sorted(given, key=list(vars(namespace)).index)
+            if k not in NOT_RECORDED}
 
 
 def _plain(v):
