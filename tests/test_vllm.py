@@ -158,5 +158,5 @@ def test_head_size_cpu_vllm_cannot_run_is_refused(tmp_path, train_cli_error):
     cfg = tiny_config("llama", vocab_size=64, eos_token_id=1)
     cfg.head_dim, cfg.architectures = 16, ["LlamaForCausalLM"]
     cfg.save_pretrained(tmp_path)
-    err = train_cli_error("--reward", "happy_binary", "--model", str(tmp_path), "--use_vllm")
+    err = train_cli_error("--reward", "happy_binary", "--model", str(tmp_path), "--prompts", "builtin", "--use_vllm")
     assert "head size 16 is not one CPU vLLM's attention takes" in err
