@@ -60,7 +60,7 @@ def test_given_flags_are_recorded_as_parsed():
     ("nope = 1\n", "'nope' is not a train.py flag; see train.py --help"),
     ("[trainer]\nlr = 1\n", "'trainer' is not a train.py flag (write a section's flags at the top level)"),
     ("lr = [1e-3, 2e-3]\n", "'lr' takes one value, got a list"),
-    ("no_use_full_reward_baseline = true\n", "write use_full_reward_baseline: false"),
+    ("no_use_full_reward_baseline = true\n", "set use_full_reward_baseline to false instead"),
     ("lr = {a = 1}\nreward = 1979-05-27\n", "a date value is not a flag's"),
     ("lr = \n", "does not parse"),
 ])  # fmt: skip

@@ -65,7 +65,6 @@ def build_plan(argv: list[str]) -> Plan:
     from rewards.config import load_reward_config
     from trl_ext.launch.processes import name_tag
     from trl_ext.launch.sharding import sharding_tag
-
     from trl_ext.runs.recipe import expand, given_flags
 
     typed, p = list(argv), parser()  # one parser for the whole plan: parsing does not change it

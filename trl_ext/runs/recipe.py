@@ -101,7 +101,7 @@ def recipe_argv(recipe: Recipe, parser: argparse.ArgumentParser) -> list[str]:
             hint = " (write a section's flags at the top level)" if isinstance(value, dict) else ""
             raise ConfigError(f"{where} is not a train.py flag{hint}; see train.py --help")
         if isinstance(action, argparse._StoreFalseAction):  # --no_X: give X: false instead
-            raise ConfigError(f"{where}: write {action.dest}: false")
+            raise ConfigError(f"{where}: set {action.dest} to false instead")
         out += [f"--{name}", *_values(where, action, value)]
     return out
 
