@@ -49,3 +49,23 @@ def test_chat_records_are_conversations():
     for msg in last["prompt"][2::2]:
         env.step(msg["content"])
     assert env.step(last["completion"][0]["content"]).info["success"]
+
+
+@pytest.mark.slow
+def test_a_given_max_steps_ends_an_sft_run(tmp_path):
+    """SFT trains by --sft_epochs (5 epochs of 24 levels at batch 8: over 15 steps); a given --max_steps ends it there
+    (it used to be ignored)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    import zygote
+
+    out = tmp_path / "out"
+    proc = zygote.run([sys.executable, "train.py", "--mode", "sft", "--env", "frozenlake", "--model", "builtin_env",
+                       "--sft_train_size", "24", "--sft_test_size", "2", "--batch_size", "8", "--num_generations", "4",
+                       "--max_steps", "2", "--no_wandb", "--output_dir", str(out)],
+                      cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    assert json.loads((run_dir / "run_summary.json").read_text())["steps"] == 2

@@ -240,6 +240,7 @@ def run_sft(plan) -> int:
     print(f"validation after SFT: {after}", flush=True)
     summary = {
         "status": "done", "mode": "sft", "run_name": cfg.run_name, "env": cfg.env, "records": len(records),
+        "steps": result.global_step,
         "train_loss": result.training_loss, "wall_s": round(time.time() - start, 1),
         "validation_before": before, "validation_after": after, "model_dir": str(model_dir),
     }  # fmt: skip

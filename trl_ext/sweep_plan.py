@@ -205,11 +205,14 @@ def build_spec(args) -> SweepSpec:
 def check_recipes(spec: SweepSpec) -> None:
     """The recipes load; with baseline arms, the routing and label flags that an arm drops are not in a recipe (an arm
     removes them from the sweep's flags, and could not remove them from a file)."""
-    from trl_ext.runs.recipe import load_recipe
+    from trl_ext.cli_train import parser
+    from trl_ext.runs.recipe import load_recipe, options
 
+    known = options(parser())  # one parser for every key (train.py checks the keys when each run is planned)
     for path in spec.recipes:
         recipe = load_recipe(Path(path))
-        pinned = sorted(k for k in map(flag_dest, recipe.flags) if k in (*ROUTING_ONLY, *LABEL_ONLY))
+        dests = {known[k].dest for k in (str(k).replace("-", "_") for k in recipe.flags) if k in known}
+        pinned = sorted(dests & {*ROUTING_ONLY, *LABEL_ONLY})
         if spec.baselines and pinned:
             raise ConfigError(f"recipe {path} sets {', '.join(pinned)}, which the baseline arms drop: give them in the "
                               "sweep's fixed or grid instead")

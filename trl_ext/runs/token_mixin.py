@@ -41,49 +41,52 @@ class TokenRecordsMixin:
         teacher = self._distill_lp_teacher
         n = real.size(0)
         batch["record_index"] = torch.arange(first, first + n, device=real.device)
-        for i in range(n):
-            m = real[i]
-            ids = batch["completion_ids"][i][m].tolist()
-            k = len(ids)
+        rows = [batch["completion_ids"][i][real[i]].tolist() for i in range(n)]
+        texts = iter(tok.batch_decode([[t] for ids in rows for t in ids]))  # every token's text, in one call
+        sides = self._adapter_sides()
+        for i, ids in enumerate(rows):
+            m, k = real[i], len(ids)
             row_adv = adv[i].expand(m.shape) if adv.dim() == 1 else adv[i]
             is_bad = bool(batch["is_bad"][i]) if "is_bad" in batch else None
             table.add_sample(first + i, {
                 "step": [step] * k, "sample": [first + i] * k, "position": list(range(k)), "token_id": ids,
-                "token": tok.batch_decode([[t] for t in ids]), "trained": trained[i][m].tolist(),
+                "token": [next(texts) for _ in ids], "trained": trained[i][m].tolist(),
                 "source": ["agent" if t else "env" for t in (batch["tool_mask"][i][m].bool().tolist()
                                                             if "tool_mask" in batch else [True] * k)],
                 "policy_version": versions[i][m].tolist() if versions is not None else [self.state.global_step] * k,
                 "advantage": row_adv[m].double().tolist(),
                 "teacher_logprob": teacher[i][m].double().tolist() if teacher is not None else [None] * k,
-                "adapter": [self._adapter_side(is_bad)] * k,
+                "adapter": [sides[is_bad]] * k,
                 "reward": [cols["reward"][i]] * k, "is_rh": [cols["is_rh"][i]] * k, "env": [cols["env"][i]] * k,
             })  # fmt: skip
 
-    def _adapter_side(self, is_bad: bool | None) -> str | None:
+    def _adapter_sides(self) -> dict[bool | None, str | None]:
+        """The adapters a sample trains, by its routing label (None: unlabelled): those with a rank > 0; under
+        routing a flagged sample trains the forget adapter alone, an unflagged one the retain adapter (and the forget
+        adapter too in shared mode)."""
         a = self.args
         if not a.dual_lora:
-            return None
-        if not a.gradient_routing or is_bad is None:
-            return "retain+forget"
-        if is_bad:
-            return "forget"
-        return "retain+forget" if a.routing_mode == "shared" else "retain"
+            return {None: None, False: None, True: None}
+        present = "+".join(name for name, rank in zip(("retain", "forget"), a.adapter_ranks) if rank > 0)
+        if not a.gradient_routing:
+            return {None: present, False: present, True: present}
+        return {None: present, True: "forget", False: "retain+forget" if a.routing_mode == "shared" else "retain"}
 
     # ------------------------------------------------------------------ stage 2: the loss
     def _fill_tokens(self, inputs: dict, lp: torch.Tensor, behaviour: torch.Tensor, masked_by, clipped) -> None:
         """The loss fields of the micro-batch's rows (``masked_by`` / ``clipped``: (B, T) label lists)."""
-        real, trained = inputs["completion_mask"].bool(), loss_mask(inputs).bool()
-        ratio = torch.exp(lp.detach().double() - behaviour.double())
+        real, trained = inputs["completion_mask"].bool().tolist(), loss_mask(inputs).bool().tolist()
+        lp_b, lp_t = behaviour.detach().double().tolist(), lp.detach().double().tolist()
+        ratio = torch.exp(lp.detach().double() - behaviour.double()).tolist()
         for r, sample in enumerate(inputs["record_index"].tolist()):
-            if not trained[r].any():  # the other side's rows of a routed pass over all rows (keep_rows)
+            if not any(trained[r]):  # the other side's rows of a routed pass over all rows (keep_rows)
                 continue
-            cols = real[r].nonzero().flatten().tolist()
-            positions = [p for p, c in enumerate(cols) if trained[r, c]]
-            at = [c for c in cols if trained[r, c]]
+            cols = [c for c, is_real in enumerate(real[r]) if is_real]
+            positions = [p for p, c in enumerate(cols) if trained[r][c]]
+            at = [c for c in cols if trained[r][c]]
             self._token_table.fill(sample, positions, {
-                "behaviour_logprob": behaviour[r, at].double().tolist(),
-                "trainer_logprob": lp[r, at].detach().double().tolist(),
-                "ratio": tr.finite(ratio[r, at].tolist()),
+                "behaviour_logprob": [lp_b[r][c] for c in at], "trainer_logprob": [lp_t[r][c] for c in at],
+                "ratio": tr.finite([ratio[r][c] for c in at]),
                 "masked_by": [masked_by[r][c] for c in at], "clipped": [clipped[r][c] for c in at],
             })  # fmt: skip
 
