@@ -135,7 +135,7 @@ def test_policy_store_order_take_and_close():
     store.publish(4, model)
     assert store.latest == 4 and store.wait(3) == 4
     store.take(3)
-    assert store.held_versions() == [3, 4]
+    assert store.held_versions() == [4]  # the taken snapshot and every older one are dropped
     with pytest.raises(RuntimeError, match="not available"):
         store.take(2)
     waiter = {}
@@ -163,7 +163,6 @@ def drive(k, strict, start, steps, on_step=None, around_publish=None, backend="f
     model = tiny_model()
     weights = {start: {n: p.clone() for n, p in model.state_dict().items()}}
     store = PolicyStore()
-    store.publish(start, model)
     worker = RolloutWorker(generation_copy(model), store, params(), max_async_level=k, strict=strict,
                            start_step=start, seed=0, backend=backend, on_step=on_step)  # fmt: skip
     worker.start()
@@ -178,7 +177,7 @@ def drive(k, strict, start, steps, on_step=None, around_publish=None, backend="f
             weights[n + 1] = {name: p.clone() for name, p in model.state_dict().items()}
             if around_publish is not None:
                 around_publish(n + 1, "before")
-            store.publish(n + 1, model)
+            worker.publish(n + 1, model)
             if around_publish is not None:
                 around_publish(n + 1, "after")
     finally:
@@ -203,6 +202,58 @@ def test_strict_schedule_versions_and_weights(k, start, backend):
         ref = scored_under(weights[v], r)  # sampled by exactly those weights
         diffs = [abs(a - b) for lp, rf in zip(r.logprobs, ref, strict=True) for a, b in zip(lp, rf, strict=True)]
         assert max(diffs) < 1e-5
+
+
+def count_snapshots(monkeypatch) -> list[int]:
+    """The versions the store keeps as snapshots (every other publish is written into the generator's copy)."""
+    kept, publish = [], PolicyStore.publish
+
+    def recorded(self, version, model):
+        kept.append(version)
+        publish(self, version, model)
+
+    monkeypatch.setattr(PolicyStore, "publish", recorded)
+    return kept
+
+
+@pytest.mark.parametrize("k, strict", [(1, True), (1, False), (3, False)])
+def test_publish_writes_into_the_copy_without_a_snapshot(k, strict, monkeypatch):
+    """Strict k = 1 and in flight at any k: every publish goes straight into the generator's copy (after the batch
+    or decoding step it is in), so no snapshot of the weights is ever held beside the copy; each batch is still
+    sampled by exactly the policies it is stamped with."""
+    kept = count_snapshots(monkeypatch)
+    rollouts, weights = drive(k, strict, 0, 6)
+    assert kept == []
+    for n, r in enumerate(rollouts):
+        for seq, lp in zip(r.versions, r.logprobs, strict=True):
+            assert max(n - k, 0) <= min(seq) and max(seq) <= n
+        if strict or all(len(set(seq)) == 1 for seq in r.versions):
+            v = r.versions[0][0]
+            ref = scored_under(weights[v], r)
+            assert max(abs(a - b) for lp, rf in zip(r.logprobs, ref) for a, b in zip(lp, rf)) < 1e-5
+
+
+def test_strict_generator_behind_keeps_a_snapshot(monkeypatch):
+    """Strict k = 2 with batch 2 (policy 0's) held back until policy 1 is published: the copy still needs policy 0,
+    so policy 1 is kept as a snapshot, and batch 3 is sampled by exactly policy 1."""
+    kept = count_snapshots(monkeypatch)
+    published = threading.Event()
+
+    def on_step(index, t):
+        if index == 2 and t == 0:
+            assert published.wait(10)
+
+    def around_publish(version, phase):
+        if version == 1 and phase == "after":
+            published.set()
+
+    rollouts, weights = drive(2, True, 0, 5, on_step=on_step, around_publish=around_publish)
+    assert 1 in kept
+    for n, r in enumerate(rollouts):
+        v = max(n - 2, 0)
+        assert all(seq == [v] * len(seq) for seq in r.versions)
+        ref = scored_under(weights[v], r)
+        assert max(abs(a - b) for lp, rf in zip(r.logprobs, ref) for a, b in zip(lp, rf)) < 1e-5
 
 
 @pytest.mark.parametrize("backend", ["fast", "trl"])
@@ -239,7 +290,6 @@ def test_non_strict_in_flight_update_mid_sequence(backend):
 def test_queue_is_bounded_by_k():
     model = tiny_model()
     store = PolicyStore()
-    store.publish(0, model)
     worker = RolloutWorker(generation_copy(model), store, params(max_new_tokens=2), max_async_level=2, strict=True,
                            start_step=0, seed=0, backend="fast")  # fmt: skip
     worker.start()
@@ -262,7 +312,6 @@ def test_queue_is_bounded_by_k():
 def test_generator_failure_reaches_the_trainer(backend):
     model = tiny_model()
     store = PolicyStore()
-    store.publish(0, model)
     clone = generation_copy(model)
 
     def boom(*a, **k):

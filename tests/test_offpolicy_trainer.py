@@ -281,15 +281,24 @@ class InflightRecorder(opt.RolloutWorker):
         super().__init__(*args, **kwargs)
         InflightRecorder.last, self.on_step, self.rollouts = self, self._pause, []
         self.reached: dict[int, threading.Event] = collections.defaultdict(threading.Event)
-        self.published = {v: _cloned(s) for v, s in self.store._snapshots.items()}
-        publish = self.store.publish
+        if self.model is None:  # an engine: each version's checkpoint, as the store makes it
+            self.published = {v: _cloned(s) for v, s in self.store._snapshots.items()}
+            snapshot = self.store._snapshot
 
-        def held_publish(version, model):
-            self.reached[version].wait(60)  # batch `version` is past SWITCH_AT tokens of the older policy
-            publish(version, model)
-            self.published[version] = _cloned(self.store._snapshots[version])
+            def recorded(version, model):
+                out = self.published[version] = snapshot(version, model)
+                self.published[version] = _cloned(out)
+                return out
 
-        self.store.publish = held_publish
+            self.store._snapshot = recorded
+        else:  # the copy: its starting weights, then each version as the trainer writes it
+            self.published = {self.loaded_version: _cloned(self._params)}
+
+    def publish(self, version, model):
+        self.reached[version].wait(60)  # batch `version` is past SWITCH_AT tokens of the older policy
+        super().publish(version, model)
+        if self.model is not None:
+            self.published[version] = _cloned({n: p for n, p in model.named_parameters() if p.requires_grad})
 
     def _pause(self, index, t):
         if index >= 1 and t >= SWITCH_AT and not self.reached[index].is_set():

@@ -51,6 +51,7 @@ def driver(out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
+    from trl_ext.offpolicy.worker import generation_copy
     from trl_ext.vllm.publish import write_checkpoint
 
     libc = ctypes.CDLL("libc.so.6")
@@ -58,12 +59,27 @@ def driver(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = build()
+    copy = generation_copy(model)  # the generator's plain copy, made before sharding as the trainer makes it
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     gc.collect()
     libc.malloc_trim(0)
+    dist.barrier()
+    growth, written = measured(lambda: write_checkpoint(model, str(out / "ckpt"), writer=rank == 0, bucket_bytes=BUCKET))
+    dist.barrier()
+    gen_growth, gen_equal, held = generator_publish(model, copy, libc)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "growth": growth, "bound": bound(largest), "model": whole, "written": written, "pid": os.getpid(),
+        "generator_growth": gen_growth, "generator_bound": generator_bound(largest), "generator_equal": gen_equal,
+        "snapshots_held": held}))  # fmt: skip
+    dist.destroy_process_group()
+
+
+def measured(fn):
+    """(peak resident growth while ``fn`` runs, its result)."""
     peak, stop = [0], threading.Event()
 
     def watch():
@@ -71,18 +87,58 @@ def driver(out: Path) -> None:
             peak[0] = max(peak[0], rss())
             stop.wait(0.0005)
 
-    dist.barrier()
     before = rss()
     watcher = threading.Thread(target=watch)
     watcher.start()
-    written = write_checkpoint(model, str(out / "ckpt"), writer=rank == 0, bucket_bytes=BUCKET)
-    stop.set()
-    watcher.join()
-    dist.barrier()
-    whole = sum(p.numel() * p.element_size() for p in model.parameters())
-    (out / f"rank{rank}.json").write_text(json.dumps({"growth": peak[0] - before, "bound": bound(largest),
-                                                      "model": whole, "written": written, "pid": os.getpid()}))
-    dist.destroy_process_group()
+    try:
+        result = fn()
+    finally:
+        stop.set()
+        watcher.join()
+    return peak[0] - before, result
+
+
+def generator_bound(largest: int) -> int:
+    """Bytes a publish into the off-policy generator's copy may add to a process (``RolloutWorker.publish``): one
+    parameter gathered (the all-gather's output and its staging buffer), copied into the copy's own tensor, and 1 MiB
+    for the collectives' small buffers (measured: 2 x 8 MiB + 0.04 to 0.16 MB)."""
+    return 2 * largest + 2**20
+
+
+def generator_publish(model, copy, libc):
+    """The off-policy generator at strict k = 1 on the plain ``copy``: batches 0 and 1 sampled by policy 0, then
+    policy 1 (the sharded ``model`` after an update) published into the copy. Returns (the publish's resident growth,
+    whether the copy then equals the gathered model, the versions the store holds as snapshots)."""
+    import gc
+
+    import torch
+
+    from trl_ext.offpolicy.sharded import iter_whole
+    from trl_ext.offpolicy.worker import PolicyStore, RolloutWorker, SamplingParams
+
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, eos_token_ids=(0,), pad_token_id=0)
+    worker = RolloutWorker(copy, PolicyStore(), params, max_async_level=1, strict=True, start_step=0, seed=0,
+                           backend="trl")  # fmt: skip
+    worker.start()
+    try:
+        for index in (0, 1):
+            worker.submit(index, [{}, {}], [[5, 6, 7], [8, 9]])
+        worker.get(0)
+        while worker._next < 2:  # batch 1 sampled: the publish below is the write alone
+            threading.Event().wait(0.01)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().add_(0.5)  # policy 1
+        gc.collect()
+        libc.malloc_trim(0)
+        growth, _ = measured(lambda: worker.publish(1, model))
+        held = worker.store.held_versions()
+        mine = dict(copy.named_parameters())
+        equal = all(torch.equal(mine[name], tensor) for name, tensor in iter_whole(model))
+        worker.get(1)
+    finally:
+        worker.stop()
+    return growth, equal, held
 
 
 @pytest.mark.slow
@@ -101,6 +157,8 @@ def test_publish_under_fsdp2_holds_a_bucket_not_the_model(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         assert r["growth"] <= r["bound"] < r["model"], ranks
+        assert r["generator_growth"] <= r["generator_bound"] < r["model"], ranks
+        assert r["generator_equal"] and r["snapshots_held"] == [], ranks
     assert ranks[0]["written"] == ranks[0]["model"] and ranks[1]["written"] == 0
     files = sorted((tmp_path / "ckpt").glob("*.safetensors"))
     assert len(files) > 4  # one per bucket

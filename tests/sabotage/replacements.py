@@ -95,6 +95,37 @@ def load_without_copy(orig):
     return _load
 
 
+def copy_nothing(orig):
+    """RolloutWorker._copy_in reads every published tensor (the FSDP2 gathers still run) but copies none into the
+    generator's model (it keeps sampling with its starting weights)."""
+
+    def _copy_in(self, tensors):
+        for _ in tensors:
+            pass
+
+    return _copy_in
+
+
+def always_snapshot(orig):
+    """RolloutWorker._write_decision always answers "snapshot": every publish keeps a copy of the trainable weights in
+    the store until the generator loads it (as every publish did before the weights were written in place)."""
+
+    def _write_decision(self, version):
+        return "snapshot"
+
+    return _write_decision
+
+
+def always_write(orig):
+    """RolloutWorker._write_decision answers "write" at once, whatever the generator still has to sample: a publish
+    overwrites the policy a strict generator still owes batches of."""
+
+    def _write_decision(self, version):
+        return "write"
+
+    return _write_decision
+
+
 def gather_whole_model_first(orig):
     """merged_weights, as the publish reads it, gathers and merges every tensor of the model before yielding the
     first (the whole model held at once on every process, as the publishes held it before they were streamed)."""

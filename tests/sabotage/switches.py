@@ -63,6 +63,9 @@ _R = _load_replacements()
 importance_without = _R.importance_without
 does_nothing = _R.does_nothing
 load_without_copy = _R.load_without_copy
+copy_nothing = _R.copy_nothing
+always_snapshot = _R.always_snapshot
+always_write = _R.always_write
 gather_whole_model_first = _R.gather_whole_model_first
 refresh_once = _R.refresh_once
 gather_nothing_for_publishes = _R.gather_nothing_for_publishes
@@ -102,8 +105,20 @@ MECHANISMS: tuple[Mechanism, ...] = (
     M("offpolicy_publish",
       "docs/offpolicy.md: the trainer publishes its trainable weights after every optimizer step and the generator "
       "loads them (strict: batch n sampled by policy max(n - k, s); in flight: every newer policy)",
-      "trl_ext.offpolicy.worker", "RolloutWorker._load", load_without_copy,
+      "trl_ext.offpolicy.worker", "RolloutWorker._copy_in", copy_nothing,
       ("tests/test_offpolicy_trainer.py::test_inflight_tokens_carry_their_versions_logprobs",
+       "tests/test_offpolicy.py::test_strict_schedule_versions_and_weights")),
+    M("publish_in_place",
+      "docs/offpolicy.md: at strict k = 1 and in flight every publish is written straight into the generator's copy, "
+      "one gathered parameter at a time: no snapshot of the weights is held beside the copy",
+      "trl_ext.offpolicy.worker", "RolloutWorker._write_decision", always_snapshot,
+      ("tests/test_offpolicy.py::test_publish_writes_into_the_copy_without_a_snapshot",
+       "tests/test_publish_memory.py::test_publish_under_fsdp2_holds_a_bucket_not_the_model")),
+    M("publish_waits_for_older_batches",
+      "docs/offpolicy.md: a strict generator still owing batches of an older policy keeps the new one as a snapshot "
+      "(k >= 2): no batch is sampled by a policy other than its own",
+      "trl_ext.offpolicy.worker", "RolloutWorker._write_decision", always_write,
+      ("tests/test_offpolicy.py::test_strict_generator_behind_keeps_a_snapshot",
        "tests/test_offpolicy.py::test_strict_schedule_versions_and_weights")),
     M("fast_sampler_refresh",
       "docs/offpolicy.md: --generation_backend fast at k >= 1: the generator samples with the fast sampler, every "

@@ -115,7 +115,8 @@ class OffPolicyMixin:
                 gen_model = generation_copy(model)
             sampler, store = None, PolicyStore()  # --generation_backend's sampler
             where = f"on {next(gen_model.parameters()).device}{' (gathered from the FSDP2 shards)' * gathered}"
-        store.publish(start, model)
+        if engine is not None:
+            store.publish(start, model)  # the starting policy's checkpoint (a copy holds it already)
         self._saved_threads = torch.get_num_threads()
         gen_threads = None
         if gen_model is not None and next(gen_model.parameters()).device.type == "cpu":
@@ -189,7 +190,7 @@ class OffPolicyMixin:
 
     def _publish_policy(self, version: int) -> None:
         if self._rollout_worker is not None:
-            self._rollout_worker.store.publish(version, self.accelerator.unwrap_model(self.model))
+            self._rollout_worker.publish(version, self.accelerator.unwrap_model(self.model))
 
     # ------------------------------------------------------------------ rollouts into TRL's batch
     def _prepare_inputs(self, generation_batch):

@@ -11,6 +11,12 @@ step n (0-based ``global_step``) is batch n of the prompt stream, and s is the s
   generated is kept, as in PipelineRL). Each token is stamped with the version that sampled it: its lag at step n is
   at most k.
 
+Weights (`RolloutWorker.publish`): the trainer writes each version's trainable weights straight into the generator's
+copy, one (gathered) parameter at a time, at a point where no batch still to be sampled needs an older policy: in
+flight between two decoding steps, strict at k = 1 after the batch the trainer takes next. So no copy of the weights
+is held beside the generator's. Only a strict generator still owing batches of an older policy (k >= 2, generation
+slower than training) makes the store keep the new version as a snapshot until it is loaded (`PolicyStore`).
+
 The queue and the weight snapshots live in memory only: a resumed run starts a fresh generator from the restored
 weights (version s), so no batch generated before the checkpoint is ever trained on.
 
@@ -32,11 +38,12 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from trl_ext.generation.backends import make_sampler
 from trl_ext.generation.sampler import FastSampler, Sampled, SamplingParams
 from trl_ext.generation.sampling import restrict_logits
+from trl_ext.offpolicy.store import Closed, PolicyStore
 
 __all__ = ["PolicyStore", "RolloutWorker", "Sampled", "SamplingParams", "generation_copy", "restrict_logits", "sample"]
 
@@ -80,78 +87,6 @@ def batch_seed(seed: int, index: int, rank: int = 0) -> int:
     """The sampling seed of batch ``index`` on process ``rank``: distinct per process (a group split over processes
     must not draw the same noise twice), and the one-process seed for rank 0."""
     return seed * 1_000_003 + index + rank * 7_919_000_003
-
-
-def trainable_snapshot(model: nn.Module) -> dict[str, Tensor]:
-    """Detached copies of the parameters the optimizer changes (all of them for a full fine-tune, adapters for LoRA);
-    whole tensors gathered from the shards of an FSDP2 model (a collective, `trl_ext.offpolicy.sharded`)."""
-    from trl_ext.offpolicy.sharded import full_parameters, is_sharded
-
-    if is_sharded(model):
-        snapshot = full_parameters(model, trainable_only=True)
-    else:
-        snapshot = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-    if torch.cuda.is_available() and any(t.is_cuda for t in snapshot.values()):
-        torch.cuda.current_stream().synchronize()  # the generator reads them on its own stream
-    return snapshot
-
-
-class Closed(Exception):
-    """Raised in a waiting thread when the rollout machinery is shut down."""
-
-
-class PolicyStore:
-    """Versioned weight snapshots, published by the trainer thread and loaded by the generator. ``snapshot(version,
-    model)`` makes one: by default the trainable parameters' copies (`trainable_snapshot`), which the generator copies
-    into its model; with a vLLM engine a checkpoint directory (``trl_ext.vllm.publish.CheckpointPublisher``), which
-    its sampler loads."""
-
-    def __init__(self, snapshot: Callable[[int, nn.Module], object] | None = None) -> None:
-        self._snapshot = snapshot or (lambda version, model: trainable_snapshot(model))
-        self._cond = threading.Condition()
-        self._snapshots: dict[int, object] = {}
-        self._latest: int | None = None
-        self._closed = False
-
-    def publish(self, version: int, model: nn.Module) -> None:
-        snapshot = self._snapshot(version, model)
-        with self._cond:
-            if self._latest is not None and version <= self._latest:
-                raise ValueError(f"policy version {version} published after version {self._latest}")
-            self._snapshots[version] = snapshot
-            self._latest = version
-            self._cond.notify_all()
-
-    @property
-    def latest(self) -> int | None:
-        with self._cond:
-            return self._latest
-
-    def wait(self, version: int) -> int:
-        """Block until a version >= ``version`` is published; return the newest one."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._closed or (self._latest is not None and self._latest >= version))
-            if self._closed:
-                raise Closed
-            return self._latest
-
-    def take(self, version: int):
-        """The snapshot of exactly ``version``; every older snapshot is dropped (versions are loaded in order)."""
-        with self._cond:
-            if version not in self._snapshots:
-                raise RuntimeError(f"policy version {version} is not available (have {sorted(self._snapshots)})")
-            for old in [v for v in self._snapshots if v < version]:
-                del self._snapshots[old]
-            return self._snapshots[version]
-
-    def held_versions(self) -> list[int]:
-        with self._cond:
-            return sorted(self._snapshots)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
 
 
 @dataclass
@@ -215,6 +150,14 @@ class RolloutWorker:
         self.episode_fn = episode_fn
         self.queue: queue.Queue[Rollout] = queue.Queue(maxsize=max_async_level)
         self.loaded_version: int | None = None
+        # The weight gate (`publish`): the generator's model is read while `_busy` (a whole batch in strict mode, one
+        # decoding step in flight) and written by the trainer while `_writing`; `_next` is the batch it samples next.
+        self._gate = threading.Condition()
+        self._busy = self._writing = self._writer_waiting = False
+        self._next = start_step
+        if model is not None:  # the copy holds the starting policy: nothing to snapshot or load for it
+            self.loaded_version = start_step
+            store.written(start_step)
         self.error: BaseException | None = None
         self._params = dict(model.named_parameters()) if model is not None else {}
         self.backend = backend
@@ -223,6 +166,7 @@ class RolloutWorker:
         self._jobs_cond = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-generator", daemon=True)
+        self._stream = None  # the generator's CUDA stream (set by its thread)
 
     def required_version(self, index: int) -> int:
         """Oldest policy allowed to sample batch ``index`` (the only one in strict mode)."""
@@ -254,26 +198,100 @@ class RolloutWorker:
     def stop(self) -> None:
         self._stop.set()
         self.store.close()
+        with self._gate:
+            self._gate.notify_all()
         with self._jobs_cond:
             self._jobs_cond.notify_all()
         self._thread.join()
 
+    # ------------------------------------------------------------------ trainer thread: publishing
+    def publish(self, version: int, model: nn.Module) -> None:
+        """Policy ``version`` (``model`` after ``version`` optimizer steps) for the generator. A collective under
+        FSDP2 (every process calls it at the same point, and every path gathers the same tensors in the same order).
+
+        With an engine the store keeps the version's checkpoint. Otherwise the trainable weights are written straight
+        into the generator's model, gathered one parameter at a time (no copy of the model is held), whenever no batch
+        still to be sampled needs an older policy: in flight always, between two decoding steps; strict when the
+        generator's next batch is one of this version's, waiting at k = 1 for the batch it is sampling, which the
+        trainer takes next. Only a strict generator behind by a batch of an older policy (k >= 2) makes the store
+        keep a snapshot (`trainable_snapshot`), until it takes it."""
+        if self.model is None:
+            return self.store.publish(version, model)
+        from trl_ext.offpolicy.sharded import iter_whole
+
+        with self._gate:
+            self._writer_waiting = True
+            try:
+                self._gate.wait_for(lambda: self._write_decision(version) != "wait")
+                direct = self._write_decision(version) == "write"
+                self._writing = direct
+            finally:
+                self._writer_waiting = False
+                self._gate.notify_all()
+        if not direct:
+            return self.store.publish(version, model)
+        try:
+            self._copy_in(iter_whole(model, trainable_only=True))
+        finally:
+            with self._gate:
+                self._writing = False
+                self.loaded_version = version
+                self.store.written(version)
+                self._gate.notify_all()
+
+    def _write_decision(self, version: int) -> str:
+        """"write" (into the generator's model now), "snapshot" or "wait" (for the generator's batch or step)."""
+        if self._stop.is_set() or not self._thread.is_alive():
+            return "write"  # nothing samples any more
+        if not self.strict:
+            return "wait" if self._busy else "write"  # the decoding step in progress
+        if not self._busy and self.required_version(self._next) >= version:
+            return "write"  # every batch of an older policy is sampled
+        if self._next == version and self.required_version(version + 1) >= version:
+            return "wait"  # k = 1: the batch the trainer takes next is the last of the older policy
+        return "snapshot"
+
+    def _copy_in(self, tensors) -> None:
+        """Every (name, whole tensor) of ``tensors`` copied into the generator's model, one at a time."""
+        cuda = False
+        with torch.no_grad():
+            for name, tensor in tensors:
+                if name not in self._params:
+                    raise RuntimeError(f"published weight {name!r} is unknown to the generator copy")
+                self._params[name].copy_(tensor)
+                cuda = cuda or tensor.is_cuda
+        if cuda:
+            torch.cuda.current_stream().synchronize()  # the generator reads them on its own stream
+
     # ------------------------------------------------------------------ generator thread
     def _load(self, version: int) -> None:
+        if version == self.loaded_version:
+            return  # written in place by `publish`
         snapshot = self.store.take(version)
         if hasattr(self.sampler, "stage"):  # an engine's sampler loads the version's checkpoint itself
             self.sampler.stage(version, snapshot)
-            self.loaded_version = version
-            return
-        missing = set(snapshot) - set(self._params)
-        if missing:
-            raise RuntimeError(f"published weights unknown to the generator copy: {sorted(missing)[:5]}")
-        with torch.no_grad():
-            for name, tensor in snapshot.items():
-                self._params[name].copy_(tensor)
-        if any(t.is_cuda for t in snapshot.values()):
-            torch.cuda.current_stream().synchronize()
+        else:
+            self._copy_in(snapshot.items())
         self.loaded_version = version
+
+    def _hold(self, index: int | None = None) -> None:
+        """The generator reads its model from here until `_release`. A write in progress finishes first; in flight
+        a publish waiting to write goes first too (in strict mode it may be waiting for this very batch)."""
+        with self._gate:
+            yields = not self.strict
+            self._gate.wait_for(lambda: not (self._writing or (yields and self._writer_waiting)) or self._stop.is_set())
+            if index is not None:
+                self._next = index
+            self._busy = True
+
+    def _release(self, next_index: int | None = None) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()  # its last forward has finished before a publish overwrites the weights
+        with self._gate:
+            self._busy = False
+            if next_index is not None:
+                self._next = next_index
+            self._gate.notify_all()
 
     def _next_job(self, index: int) -> tuple[list[dict], list[list[int]]]:
         with self._jobs_cond:
@@ -283,15 +301,19 @@ class RolloutWorker:
             return self._jobs.pop(index)
 
     def _before_step(self, index: int) -> Callable[[int], int]:
+        gated = self.model is not None and not self.strict  # in flight: a publish writes between two decoding steps
+
         def hook(t: int) -> int:
+            if gated and t > 0:
+                self._release()
             if self.on_step is not None:
                 self.on_step(index, t)
             if self._stop.is_set():
                 raise Closed
-            if not self.strict:
-                latest = self.store.latest
-                if latest > self.loaded_version:
-                    self._load(latest)  # in-flight update
+            if gated and t > 0:
+                self._hold()
+            elif not self.strict and self.store.latest > self.loaded_version:
+                self._load(self.store.latest)  # an engine's in-flight update: it loads the version's checkpoint
             return self.loaded_version
 
         return hook
@@ -315,17 +337,21 @@ class RolloutWorker:
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)
             device = next(self.model.parameters()).device if self.model is not None else torch.device("cpu")
-            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            self._stream = stream = torch.cuda.Stream(device) if device.type == "cuda" else None
             rng = torch.Generator(device)  # one generator, reseeded per batch (a CUDA graph keeps it registered)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 for index in itertools.count(self.start_step):
                     rows, prompt_ids = self._next_job(index)
                     need = self.required_version(index)
                     latest = self.store.wait(need)
-                    self._load(need if self.strict else latest)
-                    rng.manual_seed(batch_seed(self.seed, index, self.rank))
-                    with self.autocast():
-                        rollout = self._sample_batch(index, rows, prompt_ids, rng)
+                    self._hold(index)
+                    try:
+                        self._load(need if self.strict else latest)
+                        rng.manual_seed(batch_seed(self.seed, index, self.rank))
+                        with self.autocast():
+                            rollout = self._sample_batch(index, rows, prompt_ids, rng)
+                    finally:
+                        self._release(index + 1)
                     while True:
                         if self._stop.is_set():
                             raise Closed
@@ -338,3 +364,7 @@ class RolloutWorker:
             pass
         except BaseException as e:  # surfaced to the trainer by get()
             self.error = e
+        finally:
+            with self._gate:  # a publish waiting on this thread writes (`_write_decision`)
+                self._busy = False
+                self._gate.notify_all()
