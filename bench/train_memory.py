@@ -11,6 +11,7 @@ k; the numbers issue 41 measured before its change are kept beside them for comp
 
     .venv/bin/python bench/train_memory.py            # 4 arms (twice within --budget_s), 6+ minutes a pass
     .venv/bin/python bench/train_memory.py --vllm     # and the 2 vLLM arms once
+    .venv/bin/python bench/train_memory.py --append --repeats 1   # one more pass beside the recorded ones
 """
 
 from __future__ import annotations
@@ -129,6 +130,33 @@ def ratios(runs: list[dict]) -> dict:
     return out
 
 
+def savings(runs: list[dict]) -> dict:
+    """DDP minus FSDP2 (largest process's peak RSS, GB) per repeat where both arms succeeded, per k: each repeat's
+    value, their mean and standard error, and at k = 1 the paired difference from k = 0 (same repeat)."""
+    def per_repeat(k):
+        peak = {(r["arm"], r["repeat"]): r["largest_peak_rss_bytes"] / GB for r in runs if r["returncode"] == 0}
+        return {rep: peak[(f"{k}-ddp", rep)] - peak[(f"{k}-fsdp2", rep)]
+                for (arm, rep) in peak if arm == f"{k}-ddp" and (f"{k}-fsdp2", rep) in peak}  # fmt: skip
+
+    def stats(values):
+        n = len(values)
+        mean = sum(values) / n
+        se = (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5 if n > 1 else None
+        return {"n": n, "mean_gb": round(mean, 3), "se_gb": None if se is None else round(se, 3),
+                "values_gb": [round(v, 2) for v in values]}  # fmt: skip
+
+    out = {}
+    for k in ("k0", "k1", "k1-vllm"):
+        by_rep = per_repeat(k)
+        if by_rep:
+            out[k] = stats([by_rep[r] for r in sorted(by_rep)])
+    k0, k1 = per_repeat("k0"), per_repeat("k1")
+    common = sorted(set(k0) & set(k1))
+    if common:
+        out["k0_minus_k1_paired"] = stats([k0[r] - k1[r] for r in common])
+    return out
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--entry"]:
         return entry(sys.argv[2:])
@@ -136,27 +164,42 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="runs of each arm (the 2nd only within --budget_s)")
     ap.add_argument("--budget_s", type=float, default=720, help="skip further repeats predicted to end past this")
     ap.add_argument("--vllm", action="store_true", help="also k = 1 with --use_vllm --vllm_enforce_eager, once each")
+    ap.add_argument("--append", action="store_true", help="add the runs to those already in the results file "
+                    "(the same random model: seed 0), numbering their repeats on")
+    ap.add_argument("--summarise", action="store_true", help="recompute the summaries of the results file's runs "
+                    "and print them (runs nothing)")
     a = ap.parse_args()
+    if a.summarise:
+        result = json.loads(OUT.read_text())
+        result["after (this script)"], result["sharding saves (DDP - FSDP2)"] = ratios(result["runs"]), savings(result["runs"])
+        OUT.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({k: result[k] for k in ("after (this script)", "sharding saves (DDP - FSDP2)")}, indent=1))
+        return
     load_before, start = os.getloadavg(), time.time()
     print(f"cpu: {cpu_model()}; load average at start: {load_before}", flush=True)
-    runs = []
+    old = json.loads(OUT.read_text()) if a.append else {"runs": []}
+    runs, first = old["runs"], 1 + max((r["repeat"] for r in old["runs"]), default=0)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         n_params = random_llama(tmp / "model")
         print(f"{'arm':14} {'rep':>3} {'max GB':>8} {'rank0/1 GB':>14} {'child GB':>9} {'wall s':>7} {'rc':>3}")
-        for rep in range(1, a.repeats + 1):
-            if rep > 1 and (time.time() - start) * rep / (rep - 1) > a.budget_s:
+        for rep in range(first, first + a.repeats):
+            done = rep - first
+            if done and (time.time() - start) * (done + 1) / done > a.budget_s:
                 print(f"repeat {rep} skipped: predicted past --budget_s {a.budget_s:.0f}", flush=True)
                 break
             runs += [run_arm(name, flags, tmp / "model", tmp, rep) for name, flags in ARMS.items()]
         if a.vllm:
-            runs += [run_arm(name, flags, tmp / "model", tmp, 1) for name, flags in VLLM_ARMS.items()]
+            runs += [run_arm(name, flags, tmp / "model", tmp, first) for name, flags in VLLM_ARMS.items()]
     result = {
         "what": "peak RSS (ru_maxrss) per process of whole train.py runs, 2 CPU processes (torchrun), DDP vs FSDP2",
         "llama_config": LLAMA, "parameters": n_params, "train_flags": TRAIN, "env": ENV,
-        "runs": runs, "after (this script)": ratios(runs), "before (issue 41)": BEFORE,
+        "runs": runs, "after (this script)": ratios(runs), "sharding saves (DDP - FSDP2)": savings(runs),
+        "before (issue 41)": BEFORE,
         "machine": machine(load_before), "wall_s": round(time.time() - start, 1),
     }  # fmt: skip
+    if a.append:
+        result["earlier passes"] = [*old.get("earlier passes", []), {"machine": old["machine"], "wall_s": old["wall_s"]}]
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     for k, v in result["after (this script)"].items():
         b = BEFORE.get(k)

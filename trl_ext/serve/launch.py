@@ -111,6 +111,11 @@ def server_command(spec: ServerSpec, args: LayoutArgs, cuda: bool, seed: int) ->
         cmd += ["--tensor-parallel-size", str(len(spec.devices))]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    if not cuda:  # each row's request is seeded: no chunked prefill on CPU (trl_ext.vllm.engine.cpu_scheduler)
+        from trl_ext.vllm.placement import cpu_scheduler
+
+        sched = cpu_scheduler(model_len(args, spec.model))
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(sched["max_num_batched_tokens"])]
     return cmd
 
 

