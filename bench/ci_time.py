@@ -60,10 +60,12 @@ def main() -> None:
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="a variable exported for the run (repeatable)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ci_time.json")
+    parser.add_argument("--commit", default="HEAD", help="the commit to clone and run (an earlier one: a baseline "
+                        "measured beside the newest on the same machine)")
     args = parser.parse_args()
     if any("=" not in e for e in args.env):
         parser.error(f"--env takes NAME=VALUE, got {[e for e in args.env if '=' not in e]}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+    commit = subprocess.run(["git", "rev-parse", "--short", args.commit], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()  # fmt: skip
     exported = dict(e.split("=", 1) for e in args.env)
     log = args.out.with_name(f"ci_time-{commit}{'-exported' if exported else ''}.log")

@@ -232,12 +232,16 @@ class RolloutWorker:
             return self.store.publish(version, model)
         try:
             self._copy_in(iter_whole(model, trainable_only=True))
-        finally:
-            with self._gate:
+        except BaseException:
+            with self._gate:  # a failed write is no version: the trainer's step fails with it
                 self._writing = False
-                self.loaded_version = version
-                self.store.written(version)
                 self._gate.notify_all()
+            raise
+        with self._gate:
+            self._writing = False
+            self.loaded_version = version
+            self.store.written(version)
+            self._gate.notify_all()
 
     def _write_decision(self, version: int) -> str:
         """"write" (into the generator's model now), "snapshot" or "wait" (for the generator's batch or step)."""
