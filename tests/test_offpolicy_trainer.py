@@ -286,7 +286,7 @@ class InflightRecorder(opt.RolloutWorker):
             snapshot = self.store._snapshot
 
             def recorded(version, model):
-                out = self.published[version] = snapshot(version, model)
+                out = snapshot(version, model)
                 self.published[version] = _cloned(out)
                 return out
 
