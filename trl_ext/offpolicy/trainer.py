@@ -40,7 +40,8 @@ class _PublishWeights(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer._publish_policy(state.global_step)
+        if state.global_step < state.max_steps:  # the last step's policy samples no batch that is trained
+            self.trainer._publish_policy(state.global_step)
 
 
 class OffPolicyMixin:
