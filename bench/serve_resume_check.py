@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,32 +28,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "WANDB_MODE": "disabled"}
-TRAIN = ["--fsdp", "full_shard auto_wrap", "--reward", "sentence_length_10_smooth", "--model", "builtin",
-         "--lora_rank", "8", "--teacher_tau", "0.1", "--teacher_context", "Be happy.", "--max_steps", "6", "--save_steps", "2", "--logging_steps", "1", "--batch_size", "8",
-         "--num_generations", "4", "--max_completion_length", "16", "--lr", "3e-3"]  # fmt: skip
+sys.path.insert(0, str(ROOT / "tests"))
+from test_serve_vllm import _free_port_pair as free_port_pair  # noqa: E402  (the tier test's shape and ports)
+from test_serve_vllm import _layout  # noqa: E402
 
-
-def free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two free ports in a row")
-
-
-ASYNC = {0: [], 1: ["--max_async_level", "1", "--strict_async_level"]}
 K = 1  # set by main
 
 
 def layout(port: int, out_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "layout.py", "--inference_gpu_ids", "0", "--teacher_gpu_ids", "1", "--trainer_gpu_ids",
-            "0,1", "--port", str(port), "--enforce_eager", "--max_model_len", "512", "--", *TRAIN, *ASYNC[K],
-            "--output_dir", str(out_dir), *extra]  # fmt: skip
+    """The tier test's layout.py command; at k = 0 without its off-policy flags."""
+    cmd = _layout(port, out_dir, *extra)
+    if K == 0:
+        i = cmd.index("--max_async_level")
+        cmd[i : i + 3] = []  # --max_async_level 1 --strict_async_level
+    return cmd
 
 
 def run_dir(out_dir: Path) -> Path:
