@@ -164,6 +164,7 @@ class RolloutWorker:
         self.sampler = make_sampler(backend, model) if sampler is None else sampler
         self._jobs: dict[int, tuple[list[dict], list[list[int]]]] = {}
         self._jobs_cond = threading.Condition()
+        self._claimed = start_step - 1  # the newest batch the generator has taken
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-generator", daemon=True)
         self._stream = None  # the generator's CUDA stream (set by its thread)
@@ -251,9 +252,14 @@ class RolloutWorker:
             return "wait" if self._busy else "write"  # the decoding step in progress
         if not self._busy and self.required_version(self._next) >= version:
             return "write"  # every batch of an older policy is sampled
-        if self._next == version and self.required_version(version + 1) >= version:
+        if self._next == version and self.required_version(version + 1) >= version and self._has_job(version):
             return "wait"  # k = 1: the batch the trainer takes next is the last of the older policy
         return "snapshot"
+
+    def _has_job(self, index: int) -> bool:
+        """Whether batch ``index`` is submitted (waiting, or taken by the generator): a publish may wait for it."""
+        with self._jobs_cond:
+            return index in self._jobs or self._claimed >= index
 
     def _copy_in(self, tensors) -> None:
         """Every (name, whole tensor) of ``tensors`` copied into the generator's model, one at a time."""
@@ -302,6 +308,7 @@ class RolloutWorker:
             self._jobs_cond.wait_for(lambda: self._stop.is_set() or index in self._jobs)
             if self._stop.is_set():
                 raise Closed
+            self._claimed = index
             return self._jobs.pop(index)
 
     def _before_step(self, index: int) -> Callable[[int], int]:
