@@ -220,18 +220,25 @@ class RolloutWorker:
             return self.store.publish(version, model)
         from trl_ext.offpolicy.sharded import iter_whole
 
+        decision = ["wait"]
+
+        def decided() -> bool:
+            decision[0] = self._write_decision(version)
+            return decision[0] != "wait"
+
         with self._gate:
             self._writer_waiting = True
             try:
-                self._gate.wait_for(lambda: self._write_decision(version) != "wait")
-                direct = self._write_decision(version) == "write"
-                self._writing = direct
+                self._gate.wait_for(decided)
+                direct = self._writing = decision[0] == "write"
             finally:
                 self._writer_waiting = False
                 self._gate.notify_all()
         if not direct:
             return self.store.publish(version, model)
         try:
+            if self._stream is not None:
+                self._stream.synchronize()  # the generator's last forward has finished: no write under it
             self._copy_in(iter_whole(model, trainable_only=True))
         except BaseException:
             with self._gate:  # a failed write is no version: the trainer's step fails with it
@@ -284,19 +291,16 @@ class RolloutWorker:
             self._copy_in(snapshot.items())
         self.loaded_version = version
 
-    def _hold(self, index: int | None = None) -> None:
+    def _hold(self) -> None:
         """The generator reads its model from here until `_release`. A write in progress finishes first; in flight
         a publish waiting to write goes first too (in strict mode it may be waiting for this very batch)."""
         with self._gate:
             yields = not self.strict
             self._gate.wait_for(lambda: not (self._writing or (yields and self._writer_waiting)) or self._stop.is_set())
-            if index is not None:
-                self._next = index
             self._busy = True
 
     def _release(self, next_index: int | None = None) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()  # its last forward has finished before a publish overwrites the weights
+        """A publish may write from here (it first waits for the kernels already queued on the generator's stream)."""
         with self._gate:
             self._busy = False
             if next_index is not None:
@@ -355,7 +359,7 @@ class RolloutWorker:
                     rows, prompt_ids = self._next_job(index)
                     need = self.required_version(index)
                     latest = self.store.wait(need)
-                    self._hold(index)
+                    self._hold()
                     try:
                         self._load(need if self.strict else latest)
                         rng.manual_seed(batch_seed(self.seed, index, self.rank))
