@@ -39,14 +39,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(source: str, weights: str, port: int):
+def start_server(source: str, weights: str, port: int, transfer: str = "files", max_model_len: int = 256):
+    """layout.py's policy server for ``source`` on cores 0-1 (``transfer``: the weight transfer it takes besides
+    checkpoints), healthy."""
     from trl_ext.serve.launch import LayoutArgs, ServerSpec, server_command, server_env
 
-    args = LayoutArgs(port=port, enforce_eager=True, max_model_len=256)
+    args = LayoutArgs(port=port, enforce_eager=True, max_model_len=max_model_len)
     spec = ServerSpec("policy", 0, source, port, [0, 1])
     log = open(Path(weights) / "server.log", "w")
     env = server_env(spec, False, weights, dict(os.environ))
-    proc = subprocess.Popen(server_command(spec, args, False, 0), env=env, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(server_command(spec, args, False, 0, transfer), env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
     from trl_ext.serve.client import Replica
 

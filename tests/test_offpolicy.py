@@ -156,15 +156,18 @@ def _catch(fn):
 # ---------------------------------------------------------------- generator thread
 
 
-def drive(k, strict, start, steps, on_step=None, around_publish=None, backend="fast"):
-    """A stand-in trainer: submit prompts k ahead, take batch n, 'train' (perturb), publish n + 1.
+def drive(k, strict, start, steps, on_step=None, around_publish=None, backend="fast", worker_fn=None):
+    """A stand-in trainer: submit prompts k ahead, take batch n, 'train' (perturb), publish n + 1. ``worker_fn(model)``
+    builds the worker (default: over a generation copy of ``model``).
 
     Returns the rollouts and the weights of every version, to re-score each batch under the policy it claims."""
     model = tiny_model()
     weights = {start: {n: p.clone() for n, p in model.state_dict().items()}}
-    store = PolicyStore()
-    worker = RolloutWorker(generation_copy(model), store, params(), max_async_level=k, strict=strict,
-                           start_step=start, seed=0, backend=backend, on_step=on_step)  # fmt: skip
+    if worker_fn is None:
+        worker = RolloutWorker(generation_copy(model), PolicyStore(), params(), max_async_level=k, strict=strict,
+                               start_step=start, seed=0, backend=backend, on_step=on_step)  # fmt: skip
+    else:
+        worker = worker_fn(model)
     worker.start()
     rollouts, submitted = [], start - 1
     try:
@@ -233,10 +236,8 @@ def test_publish_writes_into_the_copy_without_a_snapshot(k, strict, monkeypatch)
             assert max(abs(a - b) for lp, rf in zip(r.logprobs, ref) for a, b in zip(lp, rf)) < 1e-5
 
 
-def test_strict_generator_behind_keeps_a_snapshot(monkeypatch):
-    """Strict k = 2 with batch 2 (policy 0's) held back until policy 1 is published: the copy still needs policy 0,
-    so policy 1 is kept as a snapshot, and batch 3 is sampled by exactly policy 1."""
-    kept = count_snapshots(monkeypatch)
+def batch_2_after_policy_1():
+    """``(on_step, around_publish)`` for `drive`: batch 2 starts only once policy 1 is published."""
     published = threading.Event()
 
     def on_step(index, t):
@@ -247,6 +248,14 @@ def test_strict_generator_behind_keeps_a_snapshot(monkeypatch):
         if version == 1 and phase == "after":
             published.set()
 
+    return on_step, around_publish
+
+
+def test_strict_generator_behind_keeps_a_snapshot(monkeypatch):
+    """Strict k = 2 with batch 2 (policy 0's) held back until policy 1 is published: the copy still needs policy 0,
+    so policy 1 is kept as a snapshot, and batch 3 is sampled by exactly policy 1."""
+    kept = count_snapshots(monkeypatch)
+    on_step, around_publish = batch_2_after_policy_1()
     rollouts, weights = drive(2, True, 0, 5, on_step=on_step, around_publish=around_publish)
     assert 1 in kept
     for n, r in enumerate(rollouts):
@@ -256,10 +265,9 @@ def test_strict_generator_behind_keeps_a_snapshot(monkeypatch):
         assert max(abs(a - b) for lp, rf in zip(r.logprobs, ref) for a, b in zip(lp, rf)) < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["fast", "trl"])
-def test_non_strict_in_flight_update_mid_sequence(backend):
-    """Batch 1 samples 3 tokens with policy 0, then the 'trainer' publishes policy 1, which the generator loads
-    before the 4th token (the events only fix the interleaving; the loading is the worker's own)."""
+def publish_at_third_token():
+    """``(on_step, around_publish)`` for `drive`: policy 1 is published once batch 1 has sampled 3 tokens, and batch 1
+    waits for it before its 4th (the events only fix the interleaving; the loading is the worker's own)."""
     reached, published = threading.Event(), threading.Event()
 
     def on_step(index, t):
@@ -274,6 +282,14 @@ def test_non_strict_in_flight_update_mid_sequence(backend):
         if version == 1 and phase == "after":
             published.set()
 
+    return on_step, around_publish
+
+
+@pytest.mark.parametrize("backend", ["fast", "trl"])
+def test_non_strict_in_flight_update_mid_sequence(backend):
+    """Batch 1 samples 3 tokens with policy 0, then the 'trainer' publishes policy 1, which the generator loads
+    before the 4th token."""
+    on_step, around_publish = publish_at_third_token()
     rollouts, weights = drive(1, False, 0, 3, on_step=on_step, around_publish=around_publish, backend=backend)
     r1 = rollouts[1]
     long = [v for v in r1.versions if len(v) > 3]

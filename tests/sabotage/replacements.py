@@ -73,6 +73,29 @@ def gate_without_load(orig):
     return enter
 
 
+def each_process_alone(orig):
+    """RolloutWorker's ``agree`` (every process must be able to push before any pushes into the shared servers) is
+    replaced by this process's own decision."""
+
+    def init(self, *args, **kwargs):
+        kwargs["agree"] = lambda ok: ok
+        orig(self, *args, **kwargs)
+
+    return init
+
+
+def push_start_weights(orig):
+    """PolicySource (the weights a push sends) yields, at every push, the weights of its first push (the start
+    policy): the transfer runs as before, with stale tensors."""
+
+    def iterate(self):
+        if not hasattr(self, "_first"):
+            self._first = [(name, t.detach().clone()) for name, t in orig(self)]
+        return iter(self._first)
+
+    return iterate
+
+
 def single_attempt(orig):
     """retrying (the client's retry) sends each request once: a transient error (connection refused, 502/503/504)
     fails at once."""

@@ -93,6 +93,8 @@ marker_first = _R.marker_first
 noop_sync = _R.noop_sync
 noop_engine_load = _R.noop_engine_load
 gate_without_load = _R.gate_without_load
+push_start_weights = _R.push_start_weights
+each_process_alone = _R.each_process_alone
 single_attempt = _R.single_attempt
 rng_not_restored = _R.rng_not_restored
 numeric_fault_ignored = _R.numeric_fault_ignored
@@ -147,6 +149,20 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "trl_ext.serve.endpoint", "VersionGate.enter", gate_without_load,
       ("tests/test_serve.py::test_version_gate_runs_one_version_at_a_time",
        "tests/test_serve_vllm.py::test_seed_002_layout_killed_and_resumed")),
+    M("serve_push",
+      "docs/layout.md: with --vllm_weight_transfer nccl|gloo process 0 pushes every version into each policy "
+      "server (vLLM's weight-transfer engines), which serves it once every tensor has arrived",
+      "trl_ext.serve.transfer", "PolicySource.__iter__", push_start_weights,
+      ("tests/test_serve_vllm.py::test_in_flight_k1_fsdp2_weights_pushed_over_gloo",)),
+    M("push_waits_for_older_batches",
+      "docs/layout.md: at k >= 1 a version is pushed into the servers once no batch still to be sampled needs an "
+      "older policy, else it goes as a checkpoint",
+      "trl_ext.offpolicy.worker", "RolloutWorker._write_decision", always_write,
+      ("tests/test_offpolicy_push.py::test_strict_generator_behind_gets_a_checkpoint",)),
+    M("push_agreed_by_every_process",
+      "docs/layout.md: a version is pushed only when every trainer process may push it (they share the servers)",
+      "trl_ext.offpolicy.worker", "RolloutWorker.__init__", each_process_alone,
+      ("tests/test_offpolicy_push.py::test_a_process_that_cannot_push_makes_every_version_a_checkpoint",)),
     M("serve_retry",
       "docs/layout.md: a connection error or a 502/503/504 answer is retried once after 1 s",
       "trl_ext.serve.client", "retrying", single_attempt,

@@ -49,11 +49,14 @@ class OffPolicyMixin:
 
     _pending_rollout = None  # the generator's rollout of the batch being built (also on a trainer built without __init__)
     _publisher = None  # the engine's checkpoint publisher (`rollout_engine`)
+    _pusher = None  # the engine's servers' weight pusher (`rollout_engine`)
     vllm_offpolicy = False  # an engine samples (trl_ext.vllm.trainer.VLLMMixin sets it)
 
     def rollout_engine(self, policy):
-        """``(sampler, publisher)`` when an engine samples the rollouts (`VLLMMixin`: ``--use_vllm``), else None: the
-        sampler takes each version's snapshot, which ``publisher.publish(version, policy)`` makes (a collective)."""
+        """``(sampler, publisher, pusher)`` when an engine samples the rollouts (`VLLMMixin`: ``--use_vllm``), else
+        None: the sampler takes each version's snapshot, which ``publisher.publish(version, policy)`` makes (a
+        collective); ``pusher`` (or None) pushes a version into the engine's servers instead, when no batch still to be
+        sampled needs an older one (``RolloutWorker.publish``)."""
         return None
 
     def __init__(self, *args, **kwargs):
@@ -100,7 +103,8 @@ class OffPolicyMixin:
         model = self.accelerator.unwrap_model(self.model)
         gathered = self._generation_template is not None
         engine = self.rollout_engine(model)  # --use_vllm: an engine samples, loading published checkpoints
-        self._publisher = engine[1] if engine is not None else None
+        self._publisher, pusher = engine[1:] if engine is not None else (None, None)
+        self._pusher = pusher
         if engine is not None:
             gen_model, sampler = None, engine[0]
             store = PolicyStore(self._publisher.publish)
@@ -116,7 +120,7 @@ class OffPolicyMixin:
                 gen_model = generation_copy(model)
             sampler, store = None, PolicyStore()  # --generation_backend's sampler
             where = f"on {next(gen_model.parameters()).device}{' (gathered from the FSDP2 shards)' * gathered}"
-        if engine is not None:
+        if engine is not None and pusher is None:
             store.publish(start, model)  # the starting policy's checkpoint (a copy holds it already)
         self._saved_threads = torch.get_num_threads()
         gen_threads = None
@@ -129,8 +133,11 @@ class OffPolicyMixin:
             start_step=start, seed=args.seed, rank=self.accelerator.process_index, backend=args.generation_backend,
             num_threads=gen_threads,
             autocast=self.accelerator.autocast,
-            episode_fn=self._episode_fn() if args.env else None, sampler=sampler,
+            episode_fn=self._episode_fn() if args.env else None, sampler=sampler, pusher=pusher,
+            agree=self._every_process,
         )  # fmt: skip
+        if pusher is not None:
+            self._rollout_worker.publish(start, model)  # the starting policy, pushed into the servers
         self._prompt_batches = self._prompt_stream(start)
         self._submitted = start - 1
         self._rollout_worker.start()
@@ -165,8 +172,9 @@ class OffPolicyMixin:
         if self._rollout_worker is None:
             return
         self._rollout_worker.stop()
-        if self._publisher is not None:
-            self._publisher.close()
+        for publisher in (self._publisher, self._pusher):
+            if publisher is not None:
+                publisher.close()
         self._rollout_worker = None
         torch.set_num_threads(self._saved_threads)
 
@@ -188,6 +196,14 @@ class OffPolicyMixin:
                 if index >= start:
                     yield [self.train_dataset[j] for j in order[i + first : i + first + local]]
                 index += 1
+
+    def _every_process(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every process (a collective)."""
+        if self.accelerator.num_processes == 1:
+            return ok
+        flag = torch.tensor([int(ok)], device=self.accelerator.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _publish_policy(self, version: int) -> None:
         if self._rollout_worker is not None:

@@ -141,6 +141,8 @@ class RolloutWorker:
         on_step: Callable[[int, int], None] | None = None,
         episode_fn: Callable[[list[dict], Callable], dict] | None = None,
         sampler=None,
+        pusher=None,
+        agree: Callable[[bool], bool] = bool,
     ) -> None:
         if max_async_level < 1:
             raise ValueError(f"RolloutWorker needs max_async_level >= 1, got {max_async_level}")
@@ -148,6 +150,7 @@ class RolloutWorker:
         self.k, self.strict, self.start_step, self.seed, self.rank = max_async_level, strict, start_step, seed, rank
         self.num_threads, self.autocast, self.on_step = num_threads, autocast, on_step
         self.episode_fn = episode_fn
+        self.pusher, self.agree = pusher, agree  # an engine's servers take pushed versions (publish)
         self.queue: queue.Queue[Rollout] = queue.Queue(maxsize=max_async_level)
         self.loaded_version: int | None = None
         # The weight gate (`publish`): the generator's model is read while `_busy` (a whole batch in strict mode, one
@@ -215,10 +218,13 @@ class RolloutWorker:
         still to be sampled needs an older policy: in flight always, between two decoding steps; strict when the
         generator's next batch is one of this version's, waiting at k = 1 for the batch it is sampling, which the
         trainer takes next. Only a strict generator behind by a batch of an older policy (k >= 2) makes the store
-        keep a snapshot (`trainable_snapshot`), until it takes it."""
-        if self.model is None:
+        keep a snapshot (`trainable_snapshot`), until it takes it.
+
+        With a ``pusher`` (an engine whose servers take pushed weights: ``trl_ext.serve.transfer``) a version is
+        pushed into the servers when it would be written into a copy, once every process may push (``agree``: all
+        processes share the servers); else the store keeps its checkpoint."""
+        if self.model is None and self.pusher is None:
             return self.store.publish(version, model)
-        from trl_ext.offpolicy.sharded import iter_whole
 
         decision = ["wait"]
 
@@ -234,12 +240,14 @@ class RolloutWorker:
             finally:
                 self._writer_waiting = False
                 self._gate.notify_all()
+        if self.pusher is not None and self.agree(direct) != direct:  # another process's generator needs an older
+            with self._gate:  # policy on the shared servers: this version goes as a checkpoint everywhere
+                self._writing = direct = False
+                self._gate.notify_all()
         if not direct:
             return self.store.publish(version, model)
         try:
-            if self._stream is not None:
-                self._stream.synchronize()  # the generator's last forward has finished: no write under it
-            self._copy_in(iter_whole(model, trainable_only=True))
+            self._write(version, model)
         except BaseException:
             with self._gate:  # a failed write is no version: the trainer's step fails with it
                 self._writing = False
@@ -250,6 +258,19 @@ class RolloutWorker:
             self.loaded_version = version
             self.store.written(version)
             self._gate.notify_all()
+
+    def _write(self, version: int, model: nn.Module) -> None:
+        """Version ``version`` into the generator's model, or pushed into its servers (then the next request loads
+        it: staged without a checkpoint)."""
+        if self.pusher is not None:
+            self.pusher.publish(version, model)
+            self.sampler.stage(version, None)
+            return
+        from trl_ext.offpolicy.sharded import iter_whole
+
+        if self._stream is not None:
+            self._stream.synchronize()  # the generator's last forward has finished: no write under it
+        self._copy_in(iter_whole(model, trainable_only=True))
 
     def _write_decision(self, version: int) -> str:
         """"write" (into the generator's model now), "snapshot" or "wait" (for the generator's batch or step)."""
@@ -316,7 +337,8 @@ class RolloutWorker:
             return self._jobs.pop(index)
 
     def _before_step(self, index: int) -> Callable[[int], int]:
-        gated = self.model is not None and not self.strict  # in flight: a publish writes between two decoding steps
+        gated = (self.model is not None or self.pusher is not None) and not self.strict  # in flight: a publish writes
+        # (or pushes) between two decoding steps
 
         def hook(t: int) -> int:
             if gated and t > 0:

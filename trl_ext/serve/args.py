@@ -27,6 +27,22 @@ class ServeArgs:
                   "its answer; a server that stops answering ends the run with an error naming it after this long "
                   "(an unreachable one after one retry, 1 s later). A request is never dropped."},
     )  # fmt: skip
+    vllm_weight_transfer: str = field(
+        default="files",
+        metadata={"help": "How each policy version reaches the policy servers (--vllm_mode server): 'files' (a "
+                  "checkpoint in the servers' weights directory, which each reloads; across machines on a shared "
+                  "filesystem), 'nccl' (vLLM's NCCL weight transfer: process 0 broadcasts the weights to every "
+                  "server's GPUs; CUDA) or 'gloo' (the same transfer over gloo, on CPU). At --max_async_level >= 1 a "
+                  "version is pushed once no batch still to be sampled needs an older one, else it goes as a "
+                  "checkpoint. The servers must be started for it (layout.py does).",
+                  "choices": ["files", "nccl", "gloo"]},
+    )  # fmt: skip
+    vllm_weight_transfer_address: str = field(
+        default="",
+        metadata={"help": "With --vllm_weight_transfer nccl|gloo: the address at which the policy servers reach this "
+                  "run's process 0 (it hosts the transfer's rendezvous). Empty: 127.0.0.1, allowed only when every "
+                  "policy server is on loopback."},
+    )  # fmt: skip
     teacher_server_url: str = field(
         default="",
         metadata={"help": "Distillation's teacher on vLLM servers (seed 002's --teacher_gpu_ids): one URL or several "
@@ -47,6 +63,7 @@ class ServeArgs:
         if self.vllm_request_timeout != default and not (self.policy_servers or self.teacher_server_url):
             raise ConfigError("--vllm_request_timeout applies to vLLM servers: --use_vllm --vllm_mode server or "
                               "--teacher_server_url")
+        self._validate_transfer()
         if self.policy_servers:
             server_urls(self)
         else:
@@ -71,6 +88,35 @@ class ServeArgs:
             raise ConfigError(f"--teacher_server_url: vLLM's prompt log-probs are at temperature 1 (they skip the "
                               f"sampling processors), the run samples at --temperature {self.temperature}; use the "
                               "in-process teacher or temperature 1")  # fmt: skip
+
+
+    def _validate_transfer(self) -> None:
+        own = {f.name: f.default for f in fields(ServeArgs)}
+        if self.vllm_weight_transfer == own["vllm_weight_transfer"]:
+            if self.vllm_weight_transfer_address != own["vllm_weight_transfer_address"]:
+                raise ConfigError("--vllm_weight_transfer_address is where servers reach a pushing trainer: it needs "
+                                  "--vllm_weight_transfer nccl or gloo")  # fmt: skip
+            return
+        how = f"--vllm_weight_transfer {self.vllm_weight_transfer}"
+        if self.vllm_weight_transfer not in ("nccl", "gloo"):
+            raise ConfigError(f"{how}: choose files, nccl or gloo")
+        if not self.policy_servers:
+            raise ConfigError(f"{how} pushes weights into the policy servers: it needs --use_vllm --vllm_mode server")
+        if self.vllm_weight_transfer == "nccl":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"{how} broadcasts from the trainer's GPU (vLLM's NCCL engine): no CUDA here; on "
+                                  "CPU use gloo")  # fmt: skip
+        if not self.vllm_weight_transfer_address:
+            remote = [u for u in server_urls(self) if urlparse(u).hostname not in ("127.0.0.1", "localhost", "::1")]
+            if remote:
+                raise ConfigError(f"{how}: {remote[0]} is not on loopback; name the address at which it reaches "
+                                  "this run's process 0: --vllm_weight_transfer_address")  # fmt: skip
+
+    @property
+    def weight_transfer_address(self) -> str:
+        return self.vllm_weight_transfer_address or "127.0.0.1"
 
 
 def _url(text: str, flag: str) -> str:

@@ -61,7 +61,8 @@ class Replica:
         return self._local.session
 
     def _request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
-                 timeout: float | None = None) -> requests.Response:  # fmt: skip
+                 timeout: float | None = None, retry: bool = True) -> requests.Response:  # fmt: skip
+        """The answer to one request, retried once on a transient error when ``retry`` (module docstring)."""
         headers = dict(headers or {})
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -81,7 +82,7 @@ class Replica:
             return answer
 
         try:
-            return retrying(send)
+            return retrying(send) if retry else send()
         except Transient as e:
             raise e.error from e
 
@@ -115,11 +116,13 @@ class Replica:
                directory: str | None = None) -> tuple[list[int], list[float]]:  # fmt: skip
         """(token ids, their sampling log-probs) of one continuation of ``prompt``, stopping at a token of
         ``stop_token_ids`` (kept) or after ``max_tokens``; with ``version``, sampled by exactly that policy (its
-        checkpoint ``directory``), which the server confirms."""
+        checkpoint ``directory``, or None where versions are pushed), which the server confirms."""
         body = {"model": self.model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": temperature,
                 "seed": seed, "logprobs": 0, "return_token_ids": True, "ignore_eos": True,
                 "stop_token_ids": list(stop_token_ids), "skip_special_tokens": False}  # fmt: skip
-        headers = {} if version is None else {VERSION_HEADER: str(version), DIR_HEADER: directory or ""}
+        headers = {} if version is None else {VERSION_HEADER: str(version)}
+        if version is not None and directory is not None:  # else pushed (trl_ext.serve.transfer): no directory
+            headers[DIR_HEADER] = directory
         answer = self._request("POST", "/v1/completions", body, headers)
         if version is not None and answer.headers.get(VERSION_HEADER) != str(version):
             raise ServerError(f"{self} served version {answer.headers.get(VERSION_HEADER)!r} for a request of "

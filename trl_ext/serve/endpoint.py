@@ -2,7 +2,7 @@
 
 It runs inside the server process, loaded with vLLM's documented ``--middleware trl_ext.serve.endpoint.policy_versions``
 (``vllm/entrypoints/serve/middleware/register.py``); everything else is vLLM's server as it ships. No dev mode: the
-arbitrary ``/collective_rpc`` route stays off, and the only weight operation a client can ask for is this one.
+arbitrary ``/collective_rpc`` route stays off, and the only weight operations a client can ask for are these.
 
 A completion request may carry ``X-Policy-Version: v`` and ``X-Policy-Dir: DIR`` (the checkpoint of version v that
 the trainer published, ``trl_ext.vllm.publish``). The server then answers it with exactly version v: if another
@@ -13,11 +13,15 @@ a versioned request must not stream (its answer is sent once its generation has 
 The response repeats ``X-Policy-Version``: the version that served it, which the trainer checks against the one it
 stamps on the tokens.
 
-Security: the route is under ``/v1``, and it checks vLLM's own API keys (``--api-key`` or ``VLLM_API_KEY``) itself
+With ``--weight-transfer-config`` the server also takes pushed versions (``trl_ext.serve.transfer``) on
+``POST /v1/trl_ext/weights/{init,start,update,finish}``: vLLM's weight-transfer calls, the gate held from ``start``
+(once no request runs) to ``finish``; a completion request without ``X-Policy-Dir`` waits for its version's push.
+
+Security: the routes are under ``/v1``, and they check vLLM's own API keys (``--api-key`` or ``VLLM_API_KEY``)
 (middlewares added by ``--middleware`` run before vLLM's authentication). A directory is loaded only when it lies
 under ``TRL_EXT_WEIGHTS_DIR`` (the server's environment; unset, no weights are loaded): a client can choose a
 version among the checkpoints published there, not a file on the host. ``GET /v1/trl_ext/info`` tells a client what
-the server runs (model, loaded version, logprobs mode, max_model_len, weights directory).
+the server runs (model, loaded version, logprobs mode, max_model_len, weights directory, weight transfer).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import time
 VERSION_HEADER = "X-Policy-Version"
 DIR_HEADER = "X-Policy-Dir"
 INFO_PATH = "/v1/trl_ext/info"
+PUSH_PATH = "/v1/trl_ext/weights/"
+"""The push routes (``init``, ``start``, ``update``, ``finish``): vLLM's weight-transfer control plane, gated."""
 WEIGHTS_ENV = "TRL_EXT_WEIGHTS_DIR"
 GATED_PATHS = ("/v1/completions",)
 SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -66,27 +72,49 @@ class VersionGate:
         self.version: int | None = None  # None: the weights the server started with
         self.pending: int | None = None  # the version the first waiting request needs
         self.active = 0
+        self.pushing: int | None = None  # the version a push is writing (`begin_push`)
+        self.push_start = 0.0
         self.loads = 0
         self.load_seconds = 0.0
         self.cond = asyncio.Condition()
 
-    async def enter(self, version: int, load) -> None:
+    async def enter(self, version: int, load=None) -> None:
+        """Wait until ``version`` is loaded, then count this request as running on it. ``load``: how to load it
+        (a checkpoint); None: it is pushed (`begin_push` ... `end_push`), so wait for the push."""
         async with self.cond:
-            while not (self.version == version and self.pending in (None, version)):
-                if self.pending is None:
-                    self.pending = version
-                if self.pending == version and self.active == 0:
-                    start = time.perf_counter()
-                    try:
-                        await load()
-                    finally:
-                        self.pending = None
-                        self.cond.notify_all()
-                    self.version, self.loads = version, self.loads + 1
-                    self.load_seconds += time.perf_counter() - start
-                    break
+            while not (self.version == version and self.pending in (None, version) and self.pushing is None):
+                if load is not None and self.pushing is None:
+                    if self.pending is None:
+                        self.pending = version
+                    if self.pending == version and self.active == 0:
+                        start = time.perf_counter()
+                        try:
+                            await load()
+                        finally:
+                            self.pending = None
+                            self.cond.notify_all()
+                        self.version, self.loads = version, self.loads + 1
+                        self.load_seconds += time.perf_counter() - start
+                        break
                 await self.cond.wait()
             self.active += 1
+
+    async def begin_push(self, version: int) -> None:
+        """A push of ``version`` takes the weights: once no request runs and no load is pending; new requests wait
+        until `end_push`."""
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.active == 0 and self.pending is None and self.pushing is None)
+            self.pushing, self.push_start = version, time.perf_counter()
+
+    async def end_push(self, loaded: bool) -> None:
+        """The push ends: ``loaded`` (every tensor arrived), its version is served; else the weights are a mix, and
+        no version is (every request waits for the next push or load)."""
+        async with self.cond:
+            self.version = self.pushing if loaded else None
+            self.loads += bool(loaded)
+            self.load_seconds += time.perf_counter() - self.push_start
+            self.pushing = None
+            self.cond.notify_all()
 
     async def leave(self) -> None:
         async with self.cond:
@@ -110,24 +138,32 @@ async def policy_versions(request, call_next):
     from starlette.responses import JSONResponse
 
     path = request.url.path
-    if path != INFO_PATH and (path not in GATED_PATHS or VERSION_HEADER.lower() not in request.headers):
+    pushed = path.startswith(PUSH_PATH)
+    if path != INFO_PATH and not pushed and (path not in GATED_PATHS or VERSION_HEADER.lower() not in
+                                             request.headers):  # fmt: skip
         return await call_next(request)
     if not authorized(request.headers.get("Authorization"), _keys(request.app)):
         return JSONResponse({"error": "Unauthorized"}, status_code=401)
     engine, gate, root = request.app.state.engine_client, _gate(request.app), os.environ.get(WEIGHTS_ENV)
     if path == INFO_PATH:
-        config = engine.model_config
+        config, transfer = engine.model_config, engine.vllm_config.weight_transfer_config
         shape = {k: getattr(config.hf_config, k, None) for k in SHAPE_KEYS}
         return JSONResponse({"model": config.model, "served_model_name": config.served_model_name, "shape": shape,
                              "max_model_len": config.max_model_len, "logprobs_mode": config.logprobs_mode,
                              "dtype": str(config.dtype).removeprefix("torch."), "weights_dir": root,
+                             "weight_transfer": transfer.backend if transfer is not None else None,
+                             "world_size": engine.vllm_config.parallel_config.world_size_across_dp,
                              "version": gate.version, "loads": gate.loads,
                              "load_seconds": round(gate.load_seconds, 4)})  # fmt: skip
+    if pushed:
+        return await _push(request, engine, gate, path.removeprefix(PUSH_PATH))
     try:
         version = int(request.headers[VERSION_HEADER])
     except ValueError:
         return JSONResponse({"error": f"{VERSION_HEADER} must be an integer"}, status_code=400)
-    directory = request.headers.get(DIR_HEADER, "")
+    directory = request.headers.get(DIR_HEADER)
+    if directory is None:  # a pushed version (trl_ext.serve.transfer): the request waits for its push
+        return await _answer(request, call_next, gate, version, None)
     if gate.version != version:
         if not root:
             return JSONResponse({"error": f"this server loads no weights: it was started without {WEIGHTS_ENV}"},
@@ -140,6 +176,13 @@ async def policy_versions(request, call_next):
         await engine.collective_rpc("reload_weights",
                                     kwargs={"weights_path": directory, "is_checkpoint_format": True})
         await engine.reset_prefix_cache()
+
+    return await _answer(request, call_next, gate, version, load)
+
+
+async def _answer(request, call_next, gate: VersionGate, version: int, load):
+    """vLLM's answer to ``request``, run while ``version`` is loaded (``load``: how to load it; None: pushed)."""
+    from starlette.responses import JSONResponse
 
     try:
         streamed = bool((await request.json()).get("stream"))
@@ -155,3 +198,51 @@ async def policy_versions(request, call_next):
         await gate.leave()
     response.headers[VERSION_HEADER] = str(version)
     return response
+
+
+async def _push(request, engine, gate: VersionGate, op: str):
+    """One step of a push (``trl_ext.serve.transfer``): vLLM's weight-transfer calls, with the gate held from
+    ``start`` (no request runs) to ``finish`` (the version is served) or a failure (no version is)."""
+    from starlette.responses import JSONResponse
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+    if request.method != "POST" or op not in ("init", "start", "update", "finish"):
+        return JSONResponse({"error": f"no route {request.method} {request.url.path}"}, status_code=404)
+    if engine.vllm_config.weight_transfer_config is None:
+        return JSONResponse({"error": "this server takes no pushed weights: start it with --weight-transfer-config"},
+                            status_code=409)  # fmt: skip
+    body = await request.json()
+    try:
+        if op == "init":
+            await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=body["init_info"]))
+        elif op == "start":
+            await gate.begin_push(int(body["version"]))
+            try:
+                await engine.start_weight_update()
+            except BaseException:
+                await gate.end_push(loaded=False)
+                raise
+        elif op == "update":
+            if gate.pushing is None:
+                return JSONResponse({"error": "update before start"}, status_code=409)
+            try:
+                await engine.update_weights(WeightTransferUpdateRequest(update_info=body["update_info"]))
+            except BaseException:
+                await gate.end_push(loaded=False)
+                raise
+        else:
+            if gate.pushing != int(body["version"]):
+                return JSONResponse({"error": f"finish of version {body['version']} while pushing {gate.pushing}"},
+                                    status_code=409)  # fmt: skip
+            try:
+                await engine.finish_weight_update(str(gate.pushing))
+                await engine.reset_prefix_cache()
+            except BaseException:
+                await gate.end_push(loaded=False)
+                raise
+            await gate.end_push(loaded=True)
+    except (KeyError, TypeError, ValueError) as e:
+        return JSONResponse({"error": f"{op}: {type(e).__name__}: {e}"}, status_code=400)
+    except Exception as e:  # the engine's error, named (the trainer fails its step with it)
+        return JSONResponse({"error": f"{op}: {type(e).__name__}: {e}"}, status_code=500)
+    return JSONResponse({"op": op, "version": gate.version})

@@ -12,6 +12,7 @@ launcher starts ``torchrun train.py`` with the servers' URLs beside them (train.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -93,15 +94,14 @@ def model_len(args: LayoutArgs, model_dir: str) -> int:
     """``--max_model_len``, or the model's context capped at `MAX_MODEL_LEN`."""
     if args.max_model_len:
         return args.max_model_len
-    import json
-
     with open(os.path.join(model_dir, "config.json")) as f:
         context = json.load(f).get("max_position_embeddings") or MAX_MODEL_LEN
     return min(context, MAX_MODEL_LEN)
 
 
-def server_command(spec: ServerSpec, args: LayoutArgs, cuda: bool, seed: int) -> list[str]:
-    """vLLM's server for ``spec`` with the version gate and the log-probs the trainer needs."""
+def server_command(spec: ServerSpec, args: LayoutArgs, cuda: bool, seed: int, transfer: str = "files") -> list[str]:
+    """vLLM's server for ``spec`` with the version gate and the log-probs the trainer needs; a policy server takes
+    pushed weights with ``transfer`` nccl or gloo (train.py's ``--vllm_weight_transfer``)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
            "--host", args.host, "--port", str(spec.port), "--dtype", args.server_dtype,
            "--max-model-len", str(model_len(args, spec.model)), "--logprobs-mode", "processed_logprobs",
@@ -111,6 +111,8 @@ def server_command(spec: ServerSpec, args: LayoutArgs, cuda: bool, seed: int) ->
         cmd += ["--tensor-parallel-size", str(len(spec.devices))]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    if spec.role == "policy" and transfer != "files":
+        cmd += ["--weight-transfer-config", json.dumps({"backend": transfer})]
     if not cuda:  # each row's request is seeded: no chunked prefill on CPU (trl_ext.vllm.engine.cpu_scheduler)
         from trl_ext.vllm.placement import cpu_scheduler
 
@@ -194,7 +196,7 @@ def plan_layout(args: LayoutArgs, train_argv: list[str], cuda: bool, environ=os.
     weights_dir = os.path.abspath(args.weights_dir or os.path.join(tmp, f"trl_ext_layout_{uuid.uuid4().hex[:8]}"))
     for s, url in zip(servers, urls, strict=True):
         s.url = url
-        s.command = server_command(s, args, cuda, cfg.seed)
+        s.command = server_command(s, args, cuda, cfg.seed, cfg.vllm_weight_transfer)
         s.env = server_env(s, cuda, weights_dir, dict(environ))
     script = str(Path(__file__).resolve().parents[2] / "train.py")
     trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",

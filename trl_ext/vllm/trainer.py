@@ -99,7 +99,10 @@ class VLLMMixin:
         if use_vllm and self.accelerator.is_main_process:  # one line per run, not per process
             if servers:
                 where = f"the vLLM servers {', '.join(r.url for r in self.policy_replicas)}"
-                print(f"vLLM generation: {where}, {'synchronous' if not self.vllm_offpolicy else 'off-policy'}; "
+                how = self.args.vllm_weight_transfer
+                how = "checkpoints they reload" if how == "files" else f"weights pushed over {how}"
+                print(f"vLLM generation: {where} ({how}), "
+                      f"{'synchronous' if not self.vllm_offpolicy else 'off-policy'}; "
                       f"{self.policy_servers_info[0]['dtype']}, max_model_len "
                       f"{self.policy_servers_info[0]['max_model_len']}", flush=True)  # fmt: skip
             else:
@@ -134,17 +137,34 @@ class VLLMMixin:
         base = base_of(self.accelerator.unwrap_model(self.model))
         infos = check_replicas(self.policy_replicas, self.processing_class, self.max_completion_length + 1,
                                "policy server", base.config)  # a longer prompt is the server's 400: a ServerError
+        pushed = self.args.vllm_weight_transfer != "files"
         roots = {i["weights_dir"] for i in infos}
-        if len(roots) != 1 or None in roots:
+        fallback = self.vllm_offpolicy and self.args.strict_async_level  # strict k >= 1: a checkpoint when a
+        # generator still owes batches of an older policy (in flight every version is pushed)
+        if (not pushed or fallback) and (len(roots) != 1 or None in roots):
             raise ConfigError(f"the policy servers load checkpoints from {sorted(map(str, roots))}: start every one "
                               "with the same TRL_EXT_WEIGHTS_DIR (layout.py does)")  # fmt: skip
         self.policy_servers_info = infos
         if self.vllm_offpolicy:
             return
-        publisher = CheckpointPublisher(self.accelerator, 0, model_bytes(base), root=roots.pop())
+        if pushed:  # process 0 pushes each version into every replica
+            publisher = self._pusher_for(self.accelerator.unwrap_model(self.model))
+        else:
+            publisher = CheckpointPublisher(self.accelerator, 0, model_bytes(base), root=roots.pop())
         sampler = VLLMSampler(ServerEngine(self.policy_replicas), None)
         self.use_vllm, self.vllm_mode, self._last_loaded_step = True, "server", -1
         self.vllm_generation = ServerGeneration(self, sampler, publisher)
+
+    def _pusher_for(self, policy):
+        """``--vllm_weight_transfer nccl|gloo``: the pusher of ``policy`` into the policy servers (a collective);
+        None with files."""
+        if self.args.vllm_weight_transfer == "files":
+            return None
+        from trl_ext.serve.transfer import WeightPusher
+
+        return WeightPusher(self.policy_replicas, self.policy_servers_info, self.args.vllm_weight_transfer, policy,
+                            self.accelerator.process_index, self.args.weight_transfer_address,
+                            self.args.vllm_request_timeout)  # fmt: skip
 
     def train(self, *args, **kwargs):
         try:
@@ -155,20 +175,21 @@ class VLLMMixin:
                 generation.publisher.close()
 
     def rollout_engine(self, policy):
-        """``(sampler, publisher)`` of the off-policy generator with ``--use_vllm``: a `VLLMSampler` over this
-        process's `VLLMEngine`, or over the policy's servers (``--vllm_mode server``), and the checkpoint publisher
-        (``trl_ext.vllm.publish``); None without vLLM."""
+        """``(sampler, publisher, pusher)`` of the off-policy generator with ``--use_vllm``: a `VLLMSampler` over this
+        process's `VLLMEngine`, or over the policy's servers (``--vllm_mode server``), the checkpoint publisher
+        (``trl_ext.vllm.publish``) and, with ``--vllm_weight_transfer nccl|gloo``, the servers' pusher
+        (``trl_ext.serve.transfer``); None without vLLM."""
         if not self.vllm_offpolicy:
             return None
         if self.policy_replicas is not None:
             from trl_ext.serve.engine import ServerEngine
             from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
 
-            root = self.policy_servers_info[0]["weights_dir"]
+            root = self.policy_servers_info[0]["weights_dir"]  # None: in flight with pushes (never written)
             publisher = CheckpointPublisher(self.accelerator, self.args.max_async_level, model_bytes(base_of(policy)),
                                             root=root)  # fmt: skip
             inflight = None if self.args.strict_async_level else self.args.vllm_inflight_tokens
-            return VLLMSampler(ServerEngine(self.policy_replicas), inflight), publisher
+            return VLLMSampler(ServerEngine(self.policy_replicas), inflight), publisher, self._pusher_for(policy)
         from trl_ext.vllm.placement import engine_placement
         from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
 
@@ -188,4 +209,4 @@ class VLLMMixin:
               f"max_model_len {max_len}", flush=True)  # fmt: skip
         inflight = None if args.strict_async_level else args.vllm_inflight_tokens
         publisher = CheckpointPublisher(self.accelerator, args.max_async_level, model_bytes(base))
-        return VLLMSampler(engine, inflight), publisher
+        return VLLMSampler(engine, inflight), publisher, None
