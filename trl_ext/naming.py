@@ -47,6 +47,7 @@ NOT_DEFINING = {
     # where the servers are (trl_ext.serve): a resume may find them on other ports or hosts
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
     "vllm_request_timeout", "teacher_server_url",
+    "vllm_weight_transfer", "vllm_weight_transfer_address",  # how the same weights reach the servers
 }  # fmt: skip
 NOT_IN_NAME = {"fsdp", "fsdp_config"}  # named by the launch tag (_fsdp2); a resume still compares them
 NOT_DEFINING_PREFIXES = ("logging_", "log_", "save_", "hub_", "push_to_hub", "dataloader_", "eval_", "wandb_")

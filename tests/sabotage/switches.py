@@ -153,7 +153,8 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "docs/layout.md: with --vllm_weight_transfer nccl|gloo process 0 pushes every version into each policy "
       "server (vLLM's weight-transfer engines), which serves it once every tensor has arrived",
       "trl_ext.serve.transfer", "PolicySource.__iter__", push_start_weights,
-      ("tests/test_serve_vllm.py::test_in_flight_k1_fsdp2_weights_pushed_over_gloo",)),
+      ("tests/test_serve_vllm.py::test_k0_fsdp2_weights_pushed_over_gloo",
+       "tests/test_serve_vllm.py::test_one_process_on_its_own_server_k0_then_k1_pushed")),
     M("push_waits_for_older_batches",
       "docs/layout.md: at k >= 1 a version is pushed into the servers once no batch still to be sampled needs an "
       "older policy, else it goes as a checkpoint",
