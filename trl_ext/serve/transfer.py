@@ -18,7 +18,11 @@ import socket
 from collections.abc import Iterator
 
 from torch import nn
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+try:
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+except ImportError:  # without the vLLM extra the module imports (its tests' tables read it); WeightPusher needs vLLM
+    ParamMeta, WeightSource = None, object
 
 from trl_ext.serve.client import Replica, ServerError
 from trl_ext.serve.endpoint import PUSH_PATH
