@@ -311,6 +311,14 @@ def test_pushed_weights_accepted_on_loopback_and_by_address():
     assert cfg.weight_transfer_address == "10.0.0.1"
 
 
+def test_pusher_refuses_a_server_started_for_another_transfer():
+    from trl_ext.serve.transfer import WeightPusher
+
+    with pytest.raises(ConfigError, match="takes weight transfer None, the run pushes 'gloo'"):
+        WeightPusher([Replica("http://127.0.0.1:1")], [{"weight_transfer": None, "world_size": 1}], "gloo",
+                     torch.nn.Linear(2, 2), 0, "127.0.0.1", 5.0)  # fmt: skip
+
+
 def test_teacher_server_waits_with_the_servers_timeout():
     assert _cfg(**TEACHER, vllm_server_timeout=9.0).vllm_server_timeout == 9.0  # its own health check reads it
 

@@ -213,7 +213,9 @@ async def _push(request, engine, gate: VersionGate, op: str):
                             status_code=409)  # fmt: skip
     body = await request.json()
     try:
-        if op == "init":
+        if op == "init":  # a new trainer: a push its predecessor left unfinished serves no version
+            if gate.pushing is not None:
+                await gate.end_push(loaded=False)
             await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=body["init_info"]))
         elif op == "start":
             await gate.begin_push(int(body["version"]))

@@ -24,7 +24,8 @@ try:
 except ImportError:  # without the vLLM extra the module imports (its tests' tables read it); WeightPusher needs vLLM
     ParamMeta, WeightSource = None, object
 
-from trl_ext.serve.client import Replica, ServerError
+from trl_ext.registry import ConfigError
+from trl_ext.serve.client import Replica
 from trl_ext.serve.endpoint import PUSH_PATH
 from trl_ext.vllm.weights import merged_weights
 
@@ -79,16 +80,16 @@ class WeightPusher:
 
     def __init__(self, replicas: list[Replica], infos: list[dict], backend: str, model: nn.Module, rank: int,
                  address: str, timeout_s: float) -> None:  # fmt: skip
+        for r, info in zip(replicas, infos, strict=True):  # refused before anything is built
+            if info.get("weight_transfer") != backend:
+                raise ConfigError(f"{r} takes weight transfer {info.get('weight_transfer')!r}, the run pushes "
+                                  f"{backend!r}: start it with --weight-transfer-config '{{\"backend\": "
+                                  f"\"{backend}\"}}' (layout.py does, given --vllm_weight_transfer {backend})")
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from trl_ext.serve.plugin import register
 
         register()
-        for r, info in zip(replicas, infos, strict=True):
-            if info.get("weight_transfer") != backend:
-                raise ServerError(f"{r} takes weight transfer {info.get('weight_transfer')!r}, the run pushes "
-                                  f"{backend!r}: start it with --weight-transfer-config '{{\"backend\": "
-                                  f"\"{backend}\"}}' (layout.py does, given --vllm_weight_transfer {backend})")
         self.source = PolicySource(model)
         self.clients = [GateClient(r) for r in replicas]
         self.engines = []
