@@ -196,7 +196,9 @@ def test_one_process_on_its_own_server_k0_then_k1_pushed(tmp_path):
         assert "(weights pushed over gloo), off-policy" in text
         _assert_pushed_k1(run, 6, weights)
     finally:
-        server.kill()
+        import signal
+
+        os.killpg(server.pid, signal.SIGKILL)  # its whole group: vLLM's engine core process too
         server.wait(30)
 
 
