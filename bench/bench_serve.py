@@ -42,7 +42,7 @@ def free_port() -> int:
 def start_server(source: str, weights: str, port: int, transfer: str = "files", max_model_len: int = 256):
     """layout.py's policy server for ``source`` on cores 0-1 (``transfer``: the weight transfer it takes besides
     checkpoints), healthy."""
-    from trl_ext.serve.launch import LayoutArgs, ServerSpec, server_command, server_env
+    from trl_ext.serve.plan import LayoutArgs, ServerSpec, server_command, server_env
 
     args = LayoutArgs(port=port, enforce_eager=True, max_model_len=max_model_len)
     spec = ServerSpec("policy", 0, source, port, [0, 1])

@@ -338,7 +338,7 @@ def test_unreachable_server_exits_2_before_any_model_loads(tmp_path):
 
 # ---------------------------------------------------------------- the launcher's plan
 def _plan(layout_kw=None, train=None, environ=None, cuda=False):
-    from trl_ext.serve.launch import LayoutArgs, plan_layout
+    from trl_ext.serve.plan import LayoutArgs, plan_layout
 
     train = train or ["--reward", "happy_binary", "--lora_rank", "4", "--max_steps", "2"]
     return plan_layout(LayoutArgs(**(layout_kw or {})), train, cuda, environ or {})
@@ -436,3 +436,16 @@ def test_start_checks_refuse_a_server_that_cannot_serve_the_run(change, match):
         return
     with pytest.raises(ConfigError, match=match):
         check_replicas([replica], tok, 17, "policy server", config)
+
+
+def test_a_groups_rows_go_to_one_replica():
+    """The rows of one prompt (a GRPO group, repeated by TRL's sampler) share a replica, whose prefix cache then holds
+    the prompt once; distinct prompts go to the replicas in turn, from the process's own offset."""
+    from trl_ext.serve.engine import replica_of
+
+    rows = [[1, 2]] * 4 + [[3]] * 4 + [[4, 5]] * 4
+    assert replica_of(rows, 2) == [0] * 4 + [1] * 4 + [0] * 4
+    assert replica_of(rows, 2, offset=1) == [1] * 4 + [0] * 4 + [1] * 4
+    assert replica_of(rows, 1) == [0] * 12
+    interleaved = [[1], [2], [1], [2]]
+    assert replica_of(interleaved, 2) == [0, 1, 0, 1]

@@ -113,7 +113,7 @@ def _own_server(port: int, weights: Path, log: Path) -> subprocess.Popen:
 
     from trl_ext.models import model_source
     from trl_ext.serve.client import Replica
-    from trl_ext.serve.launch import LayoutArgs, ServerSpec, server_command, server_env
+    from trl_ext.serve.plan import LayoutArgs, ServerSpec, server_command, server_env
 
     args = LayoutArgs(port=port, enforce_eager=True, max_model_len=512)
     spec = ServerSpec("policy", 0, str(model_source("builtin")), port, [0, 1])
@@ -227,3 +227,35 @@ def test_k0_fsdp2_weights_pushed_over_gloo(tmp_path):
     gap = [r["sampling/sampling_logp_difference/mean"] for r in logs]
     assert len(gap) == 4 and max(gap) < LAG0_BOUND, gap
     assert all(r["grad_norm"] > 0 for r in logs), logs  # the policy moves
+
+
+def test_the_layout_on_a_hub_model_id(tmp_path):
+    """The first command a user types names a hub model (``--model ORG/NAME``), here a tiny random Qwen3 laid out in
+    the hub cache as a download leaves it, offline (``HF_HUB_OFFLINE=1``): layout.py reads its config as transformers
+    does, starts the server on the hub id (vLLM swaps it for the snapshot's path and answers to the id:
+    ``--served-model-name``) and trains 2 steps at k = 0 on a JSONL dataset to a checkpoint, every step's sampling gap
+    at float error. Was: ``FileNotFoundError: 'ORG/NAME/config.json'`` before anything started, then a 404 from
+    ``/tokenize`` (the served name)."""
+    from trl_ext.models.tiny import build_tiny_in_hub_cache
+
+    home = tmp_path / "hf_home"
+    build_tiny_in_hub_cache("qwen3", home / "hub", "org/tiny-qwen3", overrides={"head_dim": 32})  # CPU vLLM's heads
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Once upon a time", "The dog ran to",
+                                                                         "A girl saw a", "In the park the")))
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, "layout.py", "--inference_gpu_ids", "0", "--trainer_gpu_ids", "1", "--port",
+           str(_free_port_pair()), "--enforce_eager", "--max_model_len", "256", "--", "--model", "org/tiny-qwen3",
+           "--dataset", str(data), "--reward", "happy_binary", "--max_steps", "2", "--save_steps", "2",
+           "--logging_steps", "1", "--batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
+           "--output_dir", str(out_dir)]  # fmt: skip
+    env = {**SERVER_ENV, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    (run,) = [p for p in out_dir.iterdir() if p.is_dir() and p.name != "layout_logs"]
+    state = json.loads((run / "checkpoint-2" / "trainer_state.json").read_text())
+    gap = [r["sampling/sampling_logp_difference/mean"] for r in state["log_history"]
+           if "sampling/sampling_logp_difference/mean" in r]  # fmt: skip
+    assert len(gap) == 2 and max(gap) < LAG0_BOUND, gap
+    assert json.loads((run / "start_weights.json").read_text())["path"] == "org/tiny-qwen3"

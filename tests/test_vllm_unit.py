@@ -273,3 +273,28 @@ def test_placement_that_cannot_work_is_refused(args, needle):
 
     with pytest.raises(ConfigError, match=needle):
         engine_placement(*args)
+
+
+def test_in_process_engines_serve_bfloat16_on_cuda_and_the_policys_dtype_without():
+    """--vllm_dtype auto: bfloat16 on CUDA (a float32 training copy of a 7B policy would fill an engine's share),
+    the policy's own dtype without CUDA (float error in the CPU tests); an explicit dtype wins; a server's dtype is its
+    own (refused with --vllm_mode server)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from trl_ext.vllm.trainer import engine_dtype
+
+    policy = torch.nn.Linear(2, 2)
+    auto = SimpleNamespace(vllm_dtype="auto")
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        assert engine_dtype(auto, policy) == "bfloat16"
+        assert engine_dtype(SimpleNamespace(vllm_dtype="float32"), policy) == "float32"
+    with mock.patch("torch.cuda.is_available", return_value=False):
+        assert engine_dtype(auto, policy) == "float32"
+        assert engine_dtype(auto, policy.to(torch.float64)) == "float64"
+    from trl_ext.config import ExtGRPOConfig
+    from trl_ext.registry import ConfigError
+
+    with pytest.raises(ConfigError, match="--vllm_dtype is the dtype of the engines"):
+        ExtGRPOConfig(output_dir="/tmp/x", use_vllm=True, vllm_mode="server", vllm_dtype="bfloat16",
+                      vllm_server_base_url="http://127.0.0.1:9")  # fmt: skip

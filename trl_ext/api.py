@@ -56,28 +56,17 @@ def ext_config(args, model) -> Any:
     raise TypeError(f"args must be an ExtGRPOConfig, a trl.GRPOConfig or None, got {type(args).__name__}")
 
 
-def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """GRPOTrainer's arguments (positional ones bound to their names) with the conveniences above applied."""
-    from transformers import set_seed
-    from trl import GRPOTrainer
+def check_trainer_arguments(cfg, adapters: bool, tool_loop: bool = False) -> None:
+    """The Python API's refusals that need no model (ValueError): train.py's plan and layout.py run them too
+    (`trl_ext.serve.plan.check_trainer_plan`), so a run they refuse never starts. ``adapters``: the policy has
+    adapters that can be disabled (a PEFT config); ``tool_loop``: TRL's tools / environment_factory are given."""
+    from trl_ext.distill.args import has_teacher
 
-    from trl_ext.config import DEFAULT_LORA_ALPHA, ExtGRPOConfig
-    from trl_ext.models import load_tokenizer, model_source, prepare_tokenizer
-
-    names = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]
-    if len(args) > len(names):
-        raise TypeError(f"ExtGRPOTrainer takes at most {len(names)} positional arguments, got {len(args)}")
-    named = {**dict(zip(names, args)), **kwargs}
-    cfg = named["args"] = ext_config(named.get("args"), named.get("model"))
-    for key in ("rh_detector", "base_reward"):
-        if named.get(key) is not None:
-            named[key] = _named(named[key])
-    if cfg.distill_on and cfg.teacher_tau > 0 and not (cfg.teacher_model or cfg.dual_lora or cfg.beta > 0
-                                                        or named.get("peft_config") is not None):
-        raise ValueError("distillation with teacher_tau > 0 needs a teacher: args.teacher_model, LoRA adapters "
-                         "(peft_config or a dual LoRA config: the teacher is the model with them disabled) or "
-                         "beta > 0 (TRL's frozen reference model)")  # train.py: distill.args.check_run_distill
-    if named.get("environment_factory") is not None or named.get("tools"):  # TRL's tool loop (docs/environments.md)
+    if cfg.distill_on and cfg.teacher_tau > 0 and not has_teacher(cfg, adapters):
+        raise ValueError("distillation with teacher_tau > 0 needs a teacher: args.teacher_model, a teacher server "
+                         "(args.teacher_server_url), LoRA adapters (peft_config or a dual LoRA config: the teacher is "
+                         "the model with them disabled) or beta > 0 (TRL's frozen reference model)")
+    if tool_loop:  # TRL's tool loop (docs/environments.md)
         if cfg.distill_on:
             raise ValueError("distillation scores single-turn and --env completions; TRL's tool loop (tools / "
                              "environment_factory) writes tool results into the completion, which the teacher's "
@@ -85,6 +74,29 @@ def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         if cfg.env:
             raise ValueError("args.env runs the project's episode loop; environment_factory / tools run TRL's tool "
                              "loop: give one of them")
+
+
+def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """GRPOTrainer's arguments (positional ones bound to their names) with the conveniences above applied."""
+    from transformers import set_seed
+    from trl import GRPOTrainer
+
+    from trl_ext.config import DEFAULT_LORA_ALPHA, ExtGRPOConfig
+    from trl_ext.launch.processes import model_init_kwargs
+    from trl_ext.models import load_tokenizer, model_source, prepare_tokenizer
+
+    names = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]
+    if len(args) > len(names):
+        raise TypeError(f"ExtGRPOTrainer takes at most {len(names)} positional arguments, got {len(args)}")
+    named = {**dict(zip(names, args)), **kwargs}
+    cfg = named["args"] = ext_config(named.get("args"), named.get("model"))
+    if (pinned := model_init_kwargs(cfg)) != dict(cfg.model_init_kwargs or {}):
+        cfg.model_init_kwargs = pinned  # TRL's loads (policy, reference) on this process's GPU
+    for key in ("rh_detector", "base_reward"):
+        if named.get(key) is not None:
+            named[key] = _named(named[key])
+    check_trainer_arguments(cfg, adapters=named.get("peft_config") is not None,
+                            tool_loop=named.get("environment_factory") is not None or bool(named.get("tools")))
     model = named.get("model")
     if isinstance(model, str):
         model = named["model"] = model_source(model)

@@ -65,6 +65,7 @@ def build_plan(argv: list[str]) -> Plan:
     from rewards.config import load_reward_config
     from trl_ext.launch.processes import name_tag
     from trl_ext.launch.sharding import sharding_tag
+    from trl_ext.api import check_trainer_arguments
     from trl_ext.runs.recipe import expand, given_flags
 
     typed, p = list(argv), parser()  # one parser for the whole plan: parsing does not change it
@@ -88,6 +89,10 @@ def build_plan(argv: list[str]) -> Plan:
     plan = Plan(run=run, cfg=cfg, reward_config=reward_config, run_dir=None, argv=typed, train_data=train_data,
                 eval_data=eval_data, assembly=assembly, flags=given_flags(argv, p))  # fmt: skip
     assembly.check(plan)  # with the rewards, the data and --model's config (LoRA targets, architectures)
+    try:  # the Python API's refusals, here before any model loads
+        check_trainer_arguments(cfg, adapters=run.lora_rank > 0)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     base_args, named = assembly.prompts.naming(run, cfg)  # the default run the name is compared with
     default_run, default_cfg = p.parse_args_into_dataclasses(args=base_args)
     name = cfg.run_name or (run_name(named, cfg, default_run, default_cfg, adapter_tag(run, cfg)) + name_tag()

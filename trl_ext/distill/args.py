@@ -92,9 +92,16 @@ class DistillArgs:
                               "--use_liger_kernel")
 
 
+def has_teacher(cfg, adapters: bool) -> bool:
+    """Whether the run has a teacher: --teacher_model, a teacher server (--teacher_server_url: layout.py moves
+    --teacher_model onto it), adapters that can be disabled (``adapters``: PEFT LoRA, or dual LoRA), or TRL's
+    reference model (beta > 0). The one answer train.py's plan and the Python API give."""
+    return bool(cfg.teacher_model or cfg.teacher_server_url) or adapters or cfg.dual_lora or cfg.beta > 0
+
+
 def teacher_available(run, cfg) -> bool:
-    """A teacher exists without --teacher_model when adapters can be disabled or TRL holds a reference model."""
-    return bool(cfg.teacher_model or cfg.teacher_server_url) or run.lora_rank > 0 or cfg.dual_lora or cfg.beta > 0
+    """`has_teacher` of a train.py run (its adapters: --lora_rank)."""
+    return has_teacher(cfg, run.lora_rank > 0)
 
 
 def check_run_distill(run, cfg) -> None:

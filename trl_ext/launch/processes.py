@@ -99,6 +99,21 @@ def multi_process_settings(cfg, environ: Mapping[str, str] | None = None, cuda: 
     cfg.ddp_backend = CPU_BACKEND
 
 
+def model_init_kwargs(cfg, cuda: bool | None = None, local_rank: int | None = None) -> dict:
+    """``--model_init_kwargs`` with each process's model on its own GPU. TRL loads a model from its path with
+    ``device_map="auto"`` on one process and under FSDP (``trl.trainer.utils.create_model_from_path``: only DDP and
+    DeepSpeed get None), which on a machine of several GPUs spreads the model over every one of them, every process
+    of an FSDP run included. With CUDA the map is ``{"": LOCAL_RANK}`` unless the kwargs name a ``device_map``."""
+    kwargs = dict(cfg.model_init_kwargs or {})
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if cuda and "device_map" not in kwargs:
+        kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank}
+    return kwargs
+
+
 # ------------------------------------------------------------------------------------------ rank roles at runtime
 def world() -> tuple[int, int]:
     """(rank, world size) of the started process group; (0, 1) without one."""

@@ -180,8 +180,9 @@ def tiny_tokenizer(tokenizer: str):
 
 def build_tiny(model_type: str, out_dir: str | Path, tokenizer: str = "builtin", seed: int = SEED,
                chat_template: str | None = None, sliding_window: int | None = None,
-               positions: int | None = None) -> Path:
-    """Build and save a tiny random ``model_type`` model with ``tokenizer``'s tokenizer into ``out_dir``.
+               positions: int | None = None, overrides: dict | None = None) -> Path:
+    """Build and save a tiny random ``model_type`` model with ``tokenizer``'s tokenizer into ``out_dir``
+    (``overrides``: config fields set over the tiny size, e.g. ``{"num_attention_heads": 2}``).
 
     ``chat_template`` (Jinja text; ValueError when its rendering has [UNK] in this tokenizer) is set on the saved
     tokenizer (a chat model's). Deterministic in ``seed``. Returns ``out_dir``.
@@ -194,6 +195,8 @@ def build_tiny(model_type: str, out_dir: str | Path, tokenizer: str = "builtin",
         check_template(tok, chat_template)
         tok.chat_template = chat_template
     config = tiny_config(model_type, len(tok), tok.eos_token_id, sliding_window, positions)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
@@ -205,7 +208,8 @@ def build_tiny(model_type: str, out_dir: str | Path, tokenizer: str = "builtin",
     tok.save_pretrained(out)
     info = {"family": model_type, "tokenizer": tokenizer, "seed": seed, "size": SIZE, "positions": SIZE["positions"]
             if positions is None else positions, "chat_template": chat_template
-            is not None, "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
+            is not None, "parameters": sum(p.numel() for p in model.parameters()),
+            **({"overrides": overrides} if overrides else {})}  # fmt: skip
     (out / "tiny_info.json").write_text(json.dumps(info, indent=2))
     return out
 
@@ -242,3 +246,17 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def build_tiny_in_hub_cache(model_type: str, hub_cache: str | Path, repo_id: str, **kwargs) -> Path:
+    """`build_tiny` laid out as huggingface_hub caches a downloaded repository (``models--org--name/snapshots/<commit>``,
+    ``refs/main`` naming the commit) under ``hub_cache`` (``$HF_HOME/hub``): ``repo_id`` then loads by its hub id with
+    ``HF_HUB_OFFLINE=1``, as a user's downloaded model does. Returns the snapshot directory."""
+    import hashlib
+
+    repo = Path(hub_cache) / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(f"{repo_id} {model_type} {sorted(kwargs.items())}".encode()).hexdigest()
+    snapshot = build_tiny(model_type, repo / "snapshots" / commit, **kwargs)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

@@ -20,7 +20,9 @@ def build_dual_lora_model(model_path: str, cfg, alpha: float, targets: tuple[str
     (``alpha`` and ``targets``, None = every linear of a block: LoRA only)."""
     from trl.trainer.utils import create_model_from_path
 
-    kwargs = dict(cfg.model_init_kwargs or {})
+    from trl_ext.launch.processes import model_init_kwargs
+
+    kwargs = model_init_kwargs(cfg)  # on this process's GPU, as the trainer's own load (trl_ext.api)
     kwargs.setdefault("trust_remote_code", cfg.trust_remote_code)
     if cfg.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
         kwargs["device_map"] = None

@@ -4,8 +4,9 @@
 serving another model, tokenizer or log-prob mode is refused at start) and `server_teacher_logprobs` (a teacher's
 log-probs from a server's prompt log-probs).
 
-Rows go to the replicas in turn (row i to replica i mod R), one request per row with its own seed (a batched
-request shares one seed, so a group's identical prompts would draw identical completions), sent concurrently.
+Each distinct prompt goes to one replica (`replica_of`: the rows of a GRPO group share one server, whose prefix
+cache then holds their prompt once), prompts to the replicas in turn; one request per row with its own seed (a
+batched request shares one seed, so a group's identical prompts would draw identical completions), sent concurrently.
 """
 
 from __future__ import annotations
@@ -39,14 +40,22 @@ def _map(fn, items: list) -> list:
     return list(_POOL.map(fn, items))  # the first failure raises here: no row is dropped
 
 
+def replica_of(rows: list[list[int]], replicas: int, offset: int = 0) -> list[int]:
+    """The replica of each row: the j-th distinct prompt (in order of first appearance) to replica (j + ``offset``)
+    mod ``replicas``, so every row of a prompt goes to one server (``offset``: the trainer process's index, so the
+    processes' first prompts do not all go to one replica)."""
+    first: dict[tuple, int] = {}
+    return [(first.setdefault(tuple(row), len(first)) + offset) % replicas for row in rows]
+
+
 class ServerEngine:
     """The policy's vLLM servers (``replicas``). `load` names the checkpoint of the version to sample with; every
     request carries it and the server loads it before answering (``trl_ext.serve.endpoint``)."""
 
-    def __init__(self, replicas: list[Replica]) -> None:
+    def __init__(self, replicas: list[Replica], offset: int = 0) -> None:
         if not replicas:
             raise ValueError("no server")
-        self.replicas = replicas
+        self.replicas, self.offset = replicas, offset
         self.version: int | None = None
         self.directory: str | None = None
 
@@ -60,8 +69,10 @@ class ServerEngine:
         if self.version is None:
             raise RuntimeError("no policy version loaded: the server's start weights are not the policy's")
 
+        where = replica_of(prompt_ids, len(self.replicas), self.offset)
+
         def one(i: int):
-            return self.replicas[i % len(self.replicas)].sample(
+            return self.replicas[where[i]].sample(
                 prompt_ids[i], max_tokens=max_tokens[i], temperature=params.temperature, seed=seeds[i],
                 stop_token_ids=list(params.eos_token_ids), version=self.version, directory=self.directory)
 

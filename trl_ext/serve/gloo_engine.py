@@ -8,7 +8,13 @@ keep the whole protocol (the trainer's source, its metadata check, the routes, t
 communicator: a gloo group on a TCP store hosted by the trainer's process 0, one tensor per broadcast, on CPU. So
 CPU servers (and the vLLM tier's tests of this path) get weights without a shared filesystem.
 
-Registered in vLLM's factories by ``trl_ext.serve.transfer.register`` (a vLLM general plugin).
+Every collective of the group (its rendezvous, each broadcast) times out after ``timeout_s`` (the trainer's
+``--vllm_request_timeout``): a broadcast that a worker never receives raises then (gloo's send waits for the
+receiver). ``trl_ext.serve.transfer.WeightPusher`` sends through the trainer engine's ``_broadcast`` into every
+replica's group at once (its ``Fanout`` stands for the group: each tensor is copied to the CPU once), and bounds the
+join and each publish itself.
+
+Registered in vLLM's factories by ``trl_ext.serve.plugin.register`` (a vLLM general plugin).
 """
 
 from __future__ import annotations
@@ -119,6 +125,8 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         return engine
 
     def _broadcast(self, source, meta) -> None:
+        """vLLM's (``NCCLTrainerWeightTransferEngine._broadcast``), one gloo broadcast per tensor; the group may be
+        ``trl_ext.serve.transfer.Fanout`` (every replica's group)."""
         if not self.is_sender:
             for _ in source:
                 pass

@@ -53,6 +53,16 @@ class VLLMArgs:
                   "on a GPU. Off: vLLM's own compilation settings."},
     )  # fmt: skip
 
+    vllm_dtype: str = field(
+        default="auto",
+        metadata={"help": "With --use_vllm: the dtype of the engines the run starts in process (TRL's colocate engine "
+                  "at --max_async_level 0, the off-policy generator's at >= 1). 'auto': bfloat16 on CUDA (a policy "
+                  "held in float32 for training, as under FSDP2 mixed precision, would fill an engine's memory "
+                  "share), the policy's own dtype without CUDA (float32: the log-probs then agree with the "
+                  "trainer's to float error). The weights are cast as they load. Servers: layout.py --server_dtype.",
+                  "choices": ["auto", "float32", "bfloat16", "float16"]},
+    )  # fmt: skip
+
     def validate_vllm(self) -> None:
         """Raise ConfigError for vLLM settings that cannot run or would be ignored (called by ExtGRPOConfig)."""
         default = {f.name: f.default for f in fields(VLLMArgs)}["vllm_inflight_tokens"]
@@ -64,6 +74,9 @@ class VLLMArgs:
                               "in-flight updates (not --strict_async_level)")
         if self.vllm_enforce_eager and not self.use_vllm:
             raise ConfigError("--vllm_enforce_eager is used only with --use_vllm (the engines a vLLM run starts)")
+        if self.vllm_dtype != "auto" and not (self.use_vllm and self.vllm_mode != "server"):
+            raise ConfigError("--vllm_dtype is the dtype of the engines a --use_vllm run starts in process: a server's "
+                              "dtype is its own (layout.py --server_dtype)")
         if not self.use_vllm:
             return
         if self.vllm_mode == "server":
@@ -105,6 +118,32 @@ class VLLMArgs:
                            if name in _ASYNC_SAMPLING else "the off-policy generator's engine does not read it")
                     raise ConfigError(f"--{name} {getattr(self, name)!r} is not supported with --use_vllm and "
                                       f"--max_async_level >= 1: {why} (keep TRL's default {defaults[name]!r})")
+
+
+def tied_head(config) -> bool:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "tie_word_embeddings", False))
+
+
+def check_tied_head(config, adapted: str | None) -> None:
+    """ConfigError for an adapter on the output head (``adapted``: its name, None without one) of a model whose head
+    is tied to its input embeddings (Qwen2.5 up to 3B, Qwen3-4B, the builtin model): the merged head differs from
+    the embeddings, but vLLM ties the two to one parameter and loads it under the first of its names, the
+    embeddings' (vLLM 0.30's ``AutoWeightsLoader``), so the engine would sample from the head without its adapter."""
+    if adapted and tied_head(config):
+        raise ConfigError(f"--use_vllm with a LoRA adapter on the output head {adapted!r}: this model ties it to the "
+                          "input embeddings (tie_word_embeddings), and vLLM serves the tied weight, without the "
+                          "adapter; drop the head from the adapters (--lora_lm_head, a PEFT target), or generate "
+                          "without vLLM")
+
+
+def head_adapter(model) -> str | None:
+    """The name of ``model``'s output head when an adapter wraps it (PEFT LoRA, dual LoRA), else None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    if head is None or not (hasattr(head, "lora_A") or type(head).__name__ == "DualLoRALinear"):
+        return None
+    return next((n for n, m in base.named_modules() if m is head), "lm_head").split(".")[-1]
 
 
 def head_dim_of(config) -> int:

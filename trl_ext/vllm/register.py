@@ -18,14 +18,16 @@ class VLLM(GenerationSource):
         return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
     def check(self, plan) -> None:
-        if plan.cfg.vllm_mode == "server":  # the server checked its model when it started
-            return
         import torch
 
         from trl_ext.models.arch import model_config
-        from trl_ext.vllm.args import check_model
+        from trl_ext.vllm.args import check_model, check_tied_head
 
         config = model_config(plan.run.model, plan.cfg.trust_remote_code)
+        check_tied_head(config, "lm_head" if plan.cfg.dual_lora and plan.cfg.lora_lm_head else None)  # a PEFT
+        # target is a block's linear (trl_ext.models.arch), never the head; a Python API model: `head_adapter`
+        if plan.cfg.vllm_mode == "server":  # the server checked its model when it started
+            return
         check_model(config, cuda=torch.cuda.is_available())
 
 

@@ -1,6 +1,6 @@
 """Trainer plumbing of vLLM generation (`VLLMMixin`): the engine behind TRL's ``--use_vllm``.
 
-- ``--max_async_level 0``: TRL's own colocate engine (in the policy's dtype: `policy_dtype`) and generation path,
+- ``--max_async_level 0``: TRL's own colocate engine (in `engine_dtype`: ``--vllm_dtype``) and generation path,
   with the project's weight sync (`sync_colocate`): the policy's merged weights (``trl_ext.vllm.weights``: PEFT LoRA
   and dual LoRA at their current scales), loaded in place on CUDA (TRL's way) and through vLLM's ``reload_weights``
   on CPU, where vLLM prepacks the linear weights and in-place loading fails.
@@ -25,21 +25,28 @@ from trl_ext.vllm.weights import base_of, merged_weights, unmergeable
 
 
 def policy_dtype(model) -> str:
-    """The dtype a vLLM engine runs ``model`` in: the policy's own. vLLM's "auto" would downcast a float32 model to
-    bfloat16 (``vllm.config.model._resolve_auto_dtype``), and its log-probs would carry bfloat16 rounding."""
     return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def engine_dtype(args, model) -> str:
+    """The dtype an in-process vLLM engine runs ``model`` in: ``--vllm_dtype``; its "auto" is bfloat16 on CUDA and
+    the policy's own dtype without (vLLM's own "auto" would downcast a float32 model to bfloat16,
+    ``vllm.config.model._resolve_auto_dtype``, and the CPU tests check the log-probs to float error)."""
+    if args.vllm_dtype != "auto":
+        return args.vllm_dtype
+    return "bfloat16" if torch.cuda.is_available() else policy_dtype(model)
 
 
 @contextmanager
 def _engine_dtype(trainer):
-    """While TRL builds its colocate engine: ``vllm.LLM`` called with the policy's dtype (`policy_dtype`; TRL passes
+    """While TRL builds its colocate engine: ``vllm.LLM`` called with `engine_dtype` (TRL passes
     none) and ``--vllm_enforce_eager``, shared with the process's later trainers (`trl_ext.vllm.engine.shared_llm`)."""
     from trl.generation import vllm_generation
 
     llm = vllm_generation.LLM
 
     def build(**kwargs):
-        kwargs.setdefault("dtype", policy_dtype(trainer.model))
+        kwargs.setdefault("dtype", engine_dtype(trainer.args, trainer.model))
         kwargs.setdefault("enforce_eager", trainer.args.vllm_enforce_eager)
         trainer.vllm_dtype = kwargs["dtype"]
         return shared_llm(llm, **kwargs)
@@ -111,6 +118,10 @@ class VLLMMixin:
                 from vllm import __version__
 
                 print(f"vLLM generation: {where}; vllm {__version__}; {self.vllm_settings or 'CUDA'}", flush=True)
+        if use_vllm:
+            from trl_ext.vllm.args import check_tied_head, head_adapter
+
+            check_tied_head(base_of(self.model).config, head_adapter(self.model))
         if use_vllm and (reason := unmergeable(self.model)) is not None:
             raise ConfigError(f"--use_vllm: the policy's adapters cannot be merged into the weights vLLM loads: "
                               f"{reason}")
@@ -151,7 +162,7 @@ class VLLMMixin:
             publisher = self._pusher_for(self.accelerator.unwrap_model(self.model))
         else:
             publisher = CheckpointPublisher(self.accelerator, 0, model_bytes(base), root=roots.pop())
-        sampler = VLLMSampler(ServerEngine(self.policy_replicas), None)
+        sampler = VLLMSampler(ServerEngine(self.policy_replicas, self.accelerator.process_index), None)
         self.use_vllm, self.vllm_mode, self._last_loaded_step = True, "server", -1
         self.vllm_generation = ServerGeneration(self, sampler, publisher)
 
@@ -189,7 +200,7 @@ class VLLMMixin:
             publisher = CheckpointPublisher(self.accelerator, self.args.max_async_level, model_bytes(base_of(policy)),
                                             root=root)  # fmt: skip
             inflight = None if self.args.strict_async_level else self.args.vllm_inflight_tokens
-            return VLLMSampler(ServerEngine(self.policy_replicas), inflight), publisher, self._pusher_for(policy)
+            return VLLMSampler(ServerEngine(self.policy_replicas, self.accelerator.process_index), inflight), publisher, self._pusher_for(policy)
         from trl_ext.vllm.placement import engine_placement
         from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
 
@@ -200,12 +211,13 @@ class VLLMMixin:
         place = engine_placement(acc.local_process_index, acc.num_processes, devices, args.vllm_gpu_memory_utilization)
         max_len = args.vllm_max_model_length or getattr(base.config, "max_position_embeddings", None)
         engine = VLLMEngine(
-            base.name_or_path, dtype=policy_dtype(base), max_model_len=max_len,
+            base.name_or_path, dtype=engine_dtype(args, base), max_model_len=max_len,
             seed=args.seed + self.accelerator.process_index, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             trust_remote_code=args.trust_remote_code, enforce_eager=args.vllm_enforce_eager,
             placement=place.llm_kwargs,
         )  # fmt: skip
-        print(f"vLLM engine of process {self.accelerator.process_index}: {policy_dtype(base)}, on {place.device}, "
+        print(f"vLLM engine of process {self.accelerator.process_index}: {engine_dtype(args, base)} (the policy "
+              f"{policy_dtype(base)}), on {place.device}, "
               f"max_model_len {max_len}", flush=True)  # fmt: skip
         inflight = None if args.strict_async_level else args.vllm_inflight_tokens
         publisher = CheckpointPublisher(self.accelerator, args.max_async_level, model_bytes(base))
