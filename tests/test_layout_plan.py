@@ -230,9 +230,12 @@ def test_each_process_loads_its_model_on_its_own_gpu():
     assert model_init_kwargs(own, cuda=True, local_rank=1) == {"device_map": "auto"}
 
 
+ROUTED = ["--lora_config", "r8", "--gradient_routing", "--routing_mode", "shared", "--routing_two_pass"]
+
+
 @pytest.mark.parametrize("flags, refused", [
-    (["--lora_config", "r8", "--lora_lm_head", "--gradient_routing", "--routing_mode", "shared", "--routing_two_pass"], True),
-    (["--lora_config", "r8", "--gradient_routing", "--routing_mode", "shared", "--routing_two_pass"], False),
+    ([*ROUTED, "--lora_lm_head"], True),
+    (ROUTED, False),
     (["--lora_rank", "4"], False),  # PEFT LoRA on every linear of the decoder blocks: not the head
 ])  # fmt: skip
 def test_lora_on_a_tied_head_is_refused_with_vllm(flags, refused):

@@ -167,8 +167,8 @@ class VLLMMixin:
         self.vllm_generation = ServerGeneration(self, sampler, publisher)
 
     def _pusher_for(self, policy):
-        """``--vllm_weight_transfer nccl|gloo``: the pusher of ``policy`` into the policy servers (a collective);
-        None with files."""
+        """``--vllm_weight_transfer nccl|gloo``: the pusher of ``policy`` into the policy servers (every process joins
+        the transfer groups; nothing is gathered until the first publish); None with files."""
         if self.args.vllm_weight_transfer == "files":
             return None
         from trl_ext.serve.transfer import WeightPusher
@@ -200,7 +200,8 @@ class VLLMMixin:
             publisher = CheckpointPublisher(self.accelerator, self.args.max_async_level, model_bytes(base_of(policy)),
                                             root=root)  # fmt: skip
             inflight = None if self.args.strict_async_level else self.args.vllm_inflight_tokens
-            return VLLMSampler(ServerEngine(self.policy_replicas, self.accelerator.process_index), inflight), publisher, self._pusher_for(policy)
+            engine = ServerEngine(self.policy_replicas, self.accelerator.process_index)
+            return VLLMSampler(engine, inflight), publisher, self._pusher_for(policy)
         from trl_ext.vllm.placement import engine_placement
         from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
 
