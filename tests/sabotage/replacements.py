@@ -405,3 +405,41 @@ def marker_first(orig):
         return orig(self, model, trial, *args, **kwargs)
 
     return _save_checkpoint
+
+
+def checks_left_to_the_trainer(orig):
+    """check_trainer_plan (layout.py's run of train.py's checks before any server starts) does nothing: the trainer
+    checks its plan itself, after the servers have started."""
+
+    def check(layout):
+        return None
+
+    return check
+
+
+def vllm_default_shares(orig):
+    """gpu_shares gives every server vLLM's own default share (0.92), whatever else runs on its GPUs, and refuses
+    nothing."""
+
+    def shares(servers, given):
+        return [given or 0.92 for _ in servers]
+
+    return shares
+
+
+def rows_round_robin(orig):
+    """replica_of sends row i to replica (i + offset) mod R: a group's rows are split over the replicas."""
+
+    def replica_of(rows, replicas, offset=0):
+        return [(i + offset) % replicas for i in range(len(rows))]
+
+    return replica_of
+
+
+def server_not_a_teacher(orig):
+    """has_teacher does not count a teacher server (--teacher_server_url) as the run's teacher."""
+
+    def has_teacher(cfg, adapters):
+        return bool(cfg.teacher_model) or adapters or cfg.dual_lora or cfg.beta > 0
+
+    return has_teacher

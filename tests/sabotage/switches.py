@@ -94,6 +94,10 @@ noop_sync = _R.noop_sync
 noop_engine_load = _R.noop_engine_load
 gate_without_load = _R.gate_without_load
 push_start_weights = _R.push_start_weights
+checks_left_to_the_trainer = _R.checks_left_to_the_trainer
+vllm_default_shares = _R.vllm_default_shares
+rows_round_robin = _R.rows_round_robin
+server_not_a_teacher = _R.server_not_a_teacher
 each_process_alone = _R.each_process_alone
 single_attempt = _R.single_attempt
 rng_not_restored = _R.rng_not_restored
@@ -155,6 +159,25 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "trl_ext.serve.transfer", "PolicySource.__iter__", push_start_weights,
       ("tests/test_serve_vllm.py::test_k0_fsdp2_weights_pushed_over_gloo",
        "tests/test_serve_vllm.py::test_one_process_on_its_own_server_k0_then_k1_pushed")),
+    M("layout_checks_first",
+      "docs/layout.md: layout.py runs every check of train.py's plan, as the trainer's processes will see them, "
+      "before it starts a server",
+      "trl_ext.serve.plan", "check_trainer_plan", checks_left_to_the_trainer,
+      ("tests/test_layout_plan.py::test_the_cli_exits_2_on_its_own_bad_flag_and_on_any_refusal_of_train_py",)),
+    M("server_gpu_share",
+      "docs/layout.md: each server gets its share of its GPUs, 0.9 split evenly among the servers of a GPU; servers "
+      "asking for more than 0.95 of a GPU together are refused",
+      "trl_ext.serve.plan", "gpu_shares", vllm_default_shares,
+      ("tests/test_layout_plan.py::test_servers_sharing_a_gpu_split_its_memory_and_start_one_after_the_other",)),
+    M("group_to_one_replica",
+      "docs/layout.md: the rows of one prompt (a GRPO group) go to one replica",
+      "trl_ext.serve.engine", "replica_of", rows_round_robin,
+      ("tests/test_serve.py::test_a_groups_rows_go_to_one_replica",)),
+    M("teacher_server_is_a_teacher",
+      "docs/layout.md: train.py's plan and the Python API give one answer to whether a run has a teacher, a teacher "
+      "server included",
+      "trl_ext.distill.args", "has_teacher", server_not_a_teacher,
+      ("tests/test_layout_plan.py::test_a_teacher_model_of_its_own_with_a_full_fine_tune_passes_every_check",)),
     M("push_waits_for_older_batches",
       "docs/layout.md: at k >= 1 a version is pushed into the servers once no batch still to be sampled needs an "
       "older policy, else it goes as a checkpoint",
