@@ -11,6 +11,7 @@ from transformers import GPT2Config, Qwen2Config
 
 from trl_ext.registry import ConfigError
 from trl_ext.serve import fit
+from trl_ext.serve.dry_run import dry_run
 from trl_ext.serve.fit import (GiB, ServerPart, TrainerPart, cuda_inventory, kv_bytes_per_token, lora_params,
                                model_shape, parse_inventory, plan_fit)  # fmt: skip
 
@@ -234,7 +235,7 @@ def test_dry_run_reads_the_layout_and_train_flags(tmp_path):
              "--per_device_train_batch_size", "4", "--activation_checkpointing", "--max_completion_length", "512"]
     layout = SimpleNamespace(servers=[server("policy", [0], 0.9), server("teacher", [1], 0.9)], flags=flags,
                              trainer_devices=[2, 3, 4, 5, 6, 7])  # fmt: skip
-    text = fit.dry_run(layout, SimpleNamespace(plan_gpus="8x80"))
+    text = dry_run(layout, SimpleNamespace(plan_gpus="8x80"))
     assert text.startswith("layout.py --dry_run: 8 GPUs (--plan_gpus 8x80)")
     assert text.endswith("fits (estimates labelled; GiB = 2**30 bytes)")
     assert f"parameters (LoRA rank 16: {LORA16:,} trainable, fp32), / 6 (FSDP2)" in text
@@ -245,7 +246,7 @@ def test_dry_run_reads_the_layout_and_train_flags(tmp_path):
     layout.trainer_devices = [1]
     layout.flags = flags[:-5]  # 32 rows of up to 8192 tokens, no activation checkpointing: the trainer is refused too
     with pytest.raises(ConfigError) as refused:
-        fit.dry_run(layout, SimpleNamespace(plan_gpus="1x24,1x80"))
+        dry_run(layout, SimpleNamespace(plan_gpus="1x24,1x80"))
     message = str(refused.value)
     assert message.startswith("the layout does not fit its devices: GPU 0 (24.00 GiB): policy server 0 needs "
                               "14.19 GiB of weights in bfloat16")

