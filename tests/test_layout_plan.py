@@ -273,3 +273,17 @@ def test_a_peft_adapter_on_a_tied_head_is_found():
     dual = model()
     apply_dual_lora(dual, 2, 2, 4.0, 0, None, 1, None, include_lm_head=True)
     assert head_adapter(dual) == "lm_head"
+
+
+def test_on_cuda_the_trainers_checks_run_in_a_child_that_sees_only_its_gpus(tmp_path):
+    """On CUDA train.py's checks run in a child process with CUDA_VISIBLE_DEVICES = the trainer's GPUs (this process
+    would otherwise hold a CUDA context on a server's GPU): its refusal comes back as the ConfigError (exit 2), its
+    acceptance as nothing. Run here without CUDA: the child path is the same."""
+    from trl_ext.serve.plan import check_trainer_plan
+
+    ok = _plan({"trainer_gpu_ids": "5"}, [*TRAIN, "--output_dir", str(tmp_path)], cuda=True)
+    assert ok.cuda
+    check_trainer_plan(ok)
+    bad = _plan({"trainer_gpu_ids": "5"}, [*TRAIN, "--dataset", str(tmp_path / "missing.jsonl")], cuda=True)
+    with pytest.raises(ConfigError, match="missing.jsonl"):
+        check_trainer_plan(bad)

@@ -368,7 +368,12 @@ def _check_train_flags(flags: list[str], processes: int) -> None:
     from trl_ext.sweep_plan import planned_processes
 
     with planned_processes(processes), servers_not_started():
-        check_start(build_plan(flags))
+        plan = build_plan(flags)
+        if processes > 1:  # the config as the launched processes hold it (CPU: gloo), which a resume compares
+            from trl_ext.launch.processes import multi_process_settings
+
+            multi_process_settings(plan.cfg, {"WORLD_SIZE": str(processes)})
+        check_start(plan)
 
 
 def _take_teacher_model(argv: list[str]) -> tuple[list[str], str]:
