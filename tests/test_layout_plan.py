@@ -66,14 +66,15 @@ def test_a_hub_id_is_read_from_the_hub_cache(hub_home, tmp_path):
 
 
 def test_servers_sharing_a_gpu_split_its_memory_and_start_one_after_the_other():
-    from trl_ext.serve.launch import start_waves
-    from trl_ext.serve.plan import GPU_SHARE
+    from trl_ext.serve.plan import GPU_SHARE, start_waves
 
     distill = [*TRAIN, "--teacher_tau", "1", "--temperature", "1"]
     layout = _plan({"inference_gpu_ids": "0", "teacher_gpu_ids": "0", "trainer_gpu_ids": "1"}, distill, cuda=True)
     shares = [float(s.command[s.command.index("--gpu-memory-utilization") + 1]) for s in layout.servers]
     assert shares == [GPU_SHARE / 2, GPU_SHARE / 2]
     assert [[s.role for s in w] for w in start_waves(layout.servers, True)] == [["policy"], ["teacher"]]
+    flags = layout.flags  # the trainer waits for both waves: each its --server_timeout
+    assert flags[flags.index("--vllm_server_timeout") + 1] == "1200"
     apart = _plan({"inference_gpu_ids": "0", "teacher_gpu_ids": "1", "trainer_gpu_ids": "2"}, distill, cuda=True)
     assert [s.gpu_share for s in apart.servers] == [GPU_SHARE, GPU_SHARE]
     assert len(start_waves(apart.servers, True)) == 1

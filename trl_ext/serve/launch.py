@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from trl_ext.registry import ConfigError
-from trl_ext.serve.plan import Layout, LayoutArgs, ServerSpec, check_trainer_plan, plan_layout
+from trl_ext.serve.plan import Layout, LayoutArgs, ServerSpec, check_trainer_plan, plan_layout, start_waves
 
 GRACE_S = 20.0
 """Seconds a stopped part has between SIGTERM and SIGKILL."""
@@ -64,19 +64,6 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def start_waves(servers: list[ServerSpec], cuda: bool) -> list[list[ServerSpec]]:
-    """The servers in start waves: a server waits for the earlier servers that share one of its GPUs to be healthy
-    (the module docstring); on CPU all start together."""
-    waves: list[list[ServerSpec]] = []
-    for s in servers:
-        after = [i for i, wave in enumerate(waves) if cuda and any(set(s.devices) & set(o.devices) for o in wave)]
-        index = max(after) + 1 if after else 0
-        if index == len(waves):
-            waves.append([])
-        waves[index].append(s)
-    return waves
 
 
 def run_layout(layout: Layout, args: LayoutArgs, say=print) -> int:

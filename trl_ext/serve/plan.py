@@ -310,7 +310,6 @@ def plan_layout(args: LayoutArgs, train_argv: list[str], cuda: bool, environ=os.
     flags = [*train_argv, "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url",
              ",".join(urls[: args.inference_dp])]  # fmt: skip
     flags += ["--teacher_server_url", urls[-1]] if teacher else []
-    flags += ["--vllm_server_timeout", f"{args.server_timeout:g}"] * ("--vllm_server_timeout" not in train_argv)
     cfg, _ = parser().parse_known_args(flags)  # the values layout.py reads (argparse: model, teacher_tau, seed ...)
     if bool(teacher) != (cfg.teacher_tau > 0):
         raise ConfigError("--teacher_gpu_ids starts the teacher of distillation: give it exactly when train.py's "
@@ -336,11 +335,26 @@ def plan_layout(args: LayoutArgs, train_argv: list[str], cuda: bool, environ=os.
         s.url = url
         s.command = server_command(s, args, cuda, cfg.seed, cfg.vllm_weight_transfer)
         s.env = server_env(s, cuda, weights_dir, dict(environ))
+    if "--vllm_server_timeout" not in train_argv:  # train.py waits for every server: each start wave's timeout
+        flags += ["--vllm_server_timeout", f"{args.server_timeout * len(start_waves(servers, cuda)):g}"]
     script = str(Path(__file__).resolve().parents[2] / "train.py")
     trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                    str(len(trainer)), script, *flags]  # fmt: skip
     log_dir = Path(args.log_dir or Path(cfg.output_dir) / "layout_logs")
     return Layout(servers, trainer_cmd, trainer, weights_dir, made, log_dir, cuda, flags, why)
+
+
+def start_waves(servers: list[ServerSpec], cuda: bool) -> list[list[ServerSpec]]:
+    """The servers in start waves: a server waits for the earlier servers that share one of its GPUs to be healthy
+    (the module docstring); on CPU all start together."""
+    waves: list[list[ServerSpec]] = []
+    for s in servers:
+        after = [i for i, wave in enumerate(waves) if cuda and any(set(s.devices) & set(o.devices) for o in wave)]
+        index = max(after) + 1 if after else 0
+        if index == len(waves):
+            waves.append([])
+        waves[index].append(s)
+    return waves
 
 
 def check_trainer_plan(layout: Layout) -> None:
