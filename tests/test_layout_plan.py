@@ -288,3 +288,18 @@ def test_on_cuda_the_trainers_checks_run_in_a_child_that_sees_only_its_gpus(tmp_
     bad = _plan({"trainer_gpu_ids": "5"}, [*TRAIN, "--dataset", str(tmp_path / "missing.jsonl")], cuda=True)
     with pytest.raises(ConfigError, match="missing.jsonl"):
         check_trainer_plan(bad)
+
+
+def test_the_python_api_pins_the_models_it_loads(monkeypatch):
+    """The trainer's own arguments carry the pin to TRL's loads (the policy from its path, the reference model)."""
+    from unittest import mock
+
+    from trl_ext.api import trainer_arguments
+    from trl_ext.config import ExtGRPOConfig
+
+    cfg = ExtGRPOConfig(output_dir="/tmp/pin", per_device_train_batch_size=4, num_generations=4, bf16=False,
+                        activation_checkpointing=False)  # fmt: skip
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        named = trainer_arguments((), {"model": "builtin", "args": cfg, "reward_funcs": []})
+    assert named["args"].model_init_kwargs == {"device_map": {"": 2}}
