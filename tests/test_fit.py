@@ -229,6 +229,7 @@ def test_dry_run_reads_the_layout_and_train_flags(tmp_path):
 
     def server(role, devices, share):
         return SimpleNamespace(role=role, index=0, model=model, devices=devices, gpu_share=share, max_model_len=8192,
+                               config=Qwen2Config.from_pretrained(model),
                                command=["python", "-m", "vllm.entrypoints.openai.api_server", "--dtype", "bfloat16"])
 
     flags = ["--model", model, "--fsdp", "full_shard auto_wrap", "--lora_rank", "16", "--teacher_tau", "1", "--bf16",

@@ -149,13 +149,13 @@ def test_the_weights_directory_goes_to_disk_when_dev_shm_is_small(qwen7b, monkey
     import tempfile
     from collections import namedtuple
 
-    from trl_ext.serve.plan import param_count
+    from trl_ext.serve.fit import model_shape
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**36, 0, 2**36))  # 64 GiB free
     train = ["--model", qwen7b, *TRAIN, "--max_async_level", "2"]
     layout = _plan({}, train)
-    need = 4 * param_count(layout.servers[0].config) * (2 + 2)  # float32, k = 2: 4 checkpoints, 113.5 GiB
+    need = 4 * model_shape(layout.servers[0].config).params * (2 + 2)  # float32, k = 2: 4 checkpoints, 113.5 GiB
     assert need == 4 * 7_615_616_512 * 4
     assert layout.weights_dir.startswith(tempfile.gettempdir()) and "written to disk" in layout.weights_why
     assert f"{need / 2**30:.2f} GiB needed" in layout.weights_why

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from trl_ext.registry import ConfigError
-from trl_ext.serve.fit import (ModelShape, ServerPart, TrainerPart, VLLM_GPU_MEMORY_UTILIZATION, cuda_inventory,
-                               model_shape, parse_inventory, plan_fit)
+from trl_ext.serve.fit import (ModelShape, ServerPart, TrainerPart, cuda_inventory, model_shape, parse_inventory,
+                               plan_fit)
 
 
 def dry_run(layout, args) -> str:
@@ -22,10 +22,10 @@ def dry_run(layout, args) -> str:
         raise ConfigError("--dry_run sees no CUDA device here: state the GPUs to plan for with --plan_gpus (e.g. 8x80)")
     cfg, _ = parser().parse_known_args(layout.flags)
     shapes: dict[str, ModelShape] = {}
-    for model in {s.model for s in layout.servers}:
-        shapes[model] = model_shape(model, cfg.trust_remote_code)
-    servers = [ServerPart(s.role, s.index, shapes[s.model], list(s.devices), _flag(s.command, "--dtype", "bfloat16"),
-                          s.gpu_share or VLLM_GPU_MEMORY_UTILIZATION, s.max_model_len) for s in layout.servers]
+    for s in layout.servers:  # each server's config, as the plan read it
+        shapes.setdefault(s.model, model_shape(s.config, cfg.trust_remote_code))
+    servers = [ServerPart(s.role, s.index, shapes[s.model], list(s.devices), _flag(s.command, "--dtype"),
+                          s.gpu_share, s.max_model_len) for s in layout.servers]
     policy = layout.servers[0]  # the policy's first replica: the trainer's model
     init = cfg.model_init_kwargs if isinstance(cfg.model_init_kwargs, dict) else {}
     n, targets, shape = len(layout.trainer_devices), cfg.lora_target_modules, shapes[policy.model]
@@ -47,5 +47,5 @@ def dry_run(layout, args) -> str:
     return text
 
 
-def _flag(command: Sequence[str], name: str, default: str) -> str:
-    return command[command.index(name) + 1] if name in command else default
+def _flag(command: Sequence[str], name: str) -> str:
+    return command[command.index(name) + 1]

@@ -95,24 +95,24 @@ def model_shape(source, trust_remote_code: bool = False) -> ModelShape:
     """The shape of the model at ``source`` (a folder or hub id: its config.json only; a hub id resolves from the HF
     cache under HF_HUB_OFFLINE=1) or of a transformers config. The model is built under ``torch.device("meta")``, so
     counts are exact for any architecture and no weight is read. Nested (multimodal) configs: the text config's."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from trl_ext.models.arch import decoder_blocks, model_config
 
     config = source
     if isinstance(source, str):
         try:
-            config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot read the config of {source}: {e}") from e
+            config = model_config(source, trust_remote_code)
+        except ConfigError as e:
+            raise ConfigError(f"cannot read the config of {source} ({e})") from e
     text = config.get_text_config()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    n = text.num_hidden_layers
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n
-             and len({type(b) for b in m}) == 1]  # the decoder blocks, as in trl_ext.models.arch.decoder_blocks
-    named = [m for m in lists if type(m[0]).__name__ in set(getattr(model, "_no_split_modules", None) or ())]
-    if len(named or lists) != 1:
-        raise ConfigError(f"{text.model_type}: expected one list of {n} decoder blocks, found {len(named or lists)}")
-    blocks = (named or lists)[0]
+    try:
+        _, blocks = decoder_blocks(model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    n = len(blocks)
     per_block = [sum(p.numel() for p in b.parameters()) for b in blocks]
     linears = tuple((path, *_in_out(m)) for b in blocks for path, m in block_linears(b).items())
     heads = text.num_attention_heads

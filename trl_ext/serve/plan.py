@@ -130,16 +130,6 @@ def model_config(model: str, trust_remote_code: bool = False):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def param_count(config) -> int:
-    """The parameters of the model ``config`` describes, counted on the meta device (no weights; a tied head once)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
 def model_len(args: LayoutArgs, config) -> int:
     """``--max_model_len``, or the model's context capped at `MAX_MODEL_LEN`."""
     if args.max_model_len:
@@ -255,9 +245,10 @@ def default_weights_dir(config, copies: int) -> tuple[str, str]:
     """(directory, why) for the run's checkpoints when --weights_dir is not given: `trl_ext.vllm.publish.weights_root`
     for ``copies`` float32 checkpoints of the model (what the trainer writes: its policy's dtype, float32 unless the
     run loads it otherwise), so a container's small /dev/shm (often 64 MiB) is not filled mid-run."""
+    from trl_ext.serve.fit import model_shape
     from trl_ext.vllm.publish import weights_root
 
-    root, why = weights_root(4 * param_count(config), copies)
+    root, why = weights_root(4 * model_shape(config).params, copies)
     return os.path.join(root, f"trl_ext_layout_{uuid.uuid4().hex[:8]}"), why
 
 
