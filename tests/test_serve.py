@@ -449,3 +449,26 @@ def test_a_groups_rows_go_to_one_replica():
     assert replica_of(rows, 1) == [0] * 12
     interleaved = [[1], [2], [1], [2]]
     assert replica_of(interleaved, 2) == [0, 1, 0, 1]
+
+
+def test_the_server_engine_sends_a_groups_rows_to_one_replica():
+    """`ServerEngine.generate` routes by `replica_of`, from its process's offset: each replica sees whole groups."""
+    from types import SimpleNamespace
+
+    from trl_ext.serve.engine import ServerEngine
+
+    class Seen:
+        def __init__(self):
+            self.prompts = []
+
+        def sample(self, prompt, **kw):
+            self.prompts.append(tuple(prompt))
+            return [1], [0.0]
+
+    replicas = [Seen(), Seen()]
+    engine = ServerEngine(replicas, offset=1)
+    engine.load("/w/v1", version=1)
+    rows = [[1, 2]] * 4 + [[3]] * 4 + [[4, 5]] * 4
+    params = SimpleNamespace(temperature=1.0, eos_token_ids=(0,))
+    engine.generate(rows, params, [2] * 12, list(range(12)))
+    assert sorted(replicas[1].prompts) == [(1, 2)] * 4 + [(4, 5)] * 4 and replicas[0].prompts == [(3,)] * 4

@@ -172,7 +172,8 @@ MECHANISMS: tuple[Mechanism, ...] = (
     M("group_to_one_replica",
       "docs/layout.md: the rows of one prompt (a GRPO group) go to one replica",
       "trl_ext.serve.engine", "replica_of", rows_round_robin,
-      ("tests/test_serve.py::test_a_groups_rows_go_to_one_replica",)),
+      ("tests/test_serve.py::test_a_groups_rows_go_to_one_replica",
+       "tests/test_serve.py::test_the_server_engine_sends_a_groups_rows_to_one_replica")),
     M("teacher_server_is_a_teacher",
       "docs/layout.md: train.py's plan and the Python API give one answer to whether a run has a teacher, a teacher "
       "server included",
