@@ -31,7 +31,7 @@ FEATURES = {
 
 def answers_without_reading(completions: list[str]) -> list[bool]:
     """A reward-hacking detector for gradient routing: the rollout answered without reading a page. A tool rollout
-    reaches detectors as text, its tool calls written ``call NAME({...})`` (``trl_ext.routing.trainer.as_text``)."""
+    reaches detectors as text, its tool calls written ``call NAME({...})`` (``trl_ext.routing.text.as_text``)."""
     return ["call answer(" in c and "call read(" not in c for c in completions]
 
 

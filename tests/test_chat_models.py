@@ -16,7 +16,7 @@ import pytest
 
 import trl_ext.cli_train as cli
 import trl_ext.env.episodes as episodes
-import trl_ext.env.trainer as env_trainer
+import trl_ext.env.component as env_trainer
 from environments.base import make_env
 from trl_ext.models import load_tokenizer, model_source
 from trl_ext.models.tiny import CHAT_TEMPLATE, CHAT_TEMPLATES, build_tiny, chat_template_for, main, with_chat_template
@@ -218,7 +218,7 @@ def test_single_turn_env_prompt_is_templated(chat_model, chat_tok, tmp_path, mon
 def spy_teacher_prompts(monkeypatch) -> list[list[list[int]]]:
     """Record the teacher's unpadded prompt ids of every chat-prompt teacher batch (`distill.teacher.teacher_batch`,
     which `DistillMixin.score_teacher` calls for chat prompts only)."""
-    import trl_ext.distill.trainer as distill
+    import trl_ext.distill.component as distill
 
     seen, batch_fn = [], distill.teacher_batch
 

@@ -85,13 +85,13 @@ def test_env_teacher_context_placement_and_agent_tokens_only(tmp_path, chat):
     tok = make_tok(chat)
     trainer = make_trainer(tok, tmp_path)
     seen = {}
-    score = trainer.score_teacher
+    score = trainer.components.distill.score_teacher
 
     def spy(batch, prompts=None):
         seen["lp"] = score(batch, prompts)
         return seen["lp"]
 
-    trainer.score_teacher = spy
+    trainer.components.distill.score_teacher = spy
     env = make_env("frozenlake")
     rows = [{"prompt": p, "env_seed": 0} for p in list(env_dataset(env, 1, tok)["prompt"]) * 2]
     batch = trainer._generate_and_score_completions(rows)
@@ -129,7 +129,7 @@ def test_plain_prompt_with_chat_tokenizer_needs_no_template(tmp_path):
     batch = {"prompt_ids": torch.tensor([encode(tok, "up down")]), "prompt_mask": torch.ones(1, 2, dtype=torch.long),
              "completion_ids": torch.tensor([encode(tok, "left right")]),
              "completion_mask": torch.ones(1, 2, dtype=torch.long)}  # fmt: skip
-    lp = trainer.score_teacher(batch, ["up down"])
+    lp = trainer.components.distill.score_teacher(batch, ["up down"])
     expected = row_logps(trainer.ref_model, encode(tok, CONTEXT + " up down"), encode(tok, "left right"))
     assert torch.allclose(lp[0], expected, rtol=0, atol=1e-5)
 

@@ -152,8 +152,8 @@ def test_token_path_adds_bonus_in_loss(builtin_path, tmp_path):
 # ------------------------------------------------------------------------------ adv_tau and loss_adv_tau
 def test_adv_tau_is_distillations_and_loss_adv_tau_is_the_losss(builtin_path, tmp_path):
     trainer = make_trainer(builtin_path, tmp_path, max_async_level=1, adv_tau=0.5, loss_adv_tau=0.25)
-    assert trainer.distill_cfg.adv_tau == 0.5  # the task weight inside the distillation advantages
-    assert trainer.offpolicy_cfg.loss_adv_tau == 0.25  # the off-policy loss's own weight, independent of it
+    assert trainer.components.distill.cfg.adv_tau == 0.5  # the task weight inside the distillation advantages
+    assert trainer.components.offpolicy.cfg.loss_adv_tau == 0.25  # the off-policy loss's own weight, independent of it
     with pytest.raises(ConfigError, match="weights the task reward of distillation"):  # no distillation: no meaning
         train_config(output_dir=str(tmp_path), report_to=[], adv_tau=0.5)
     with pytest.raises(ConfigError, match="--loss_adv_tau has no effect with --max_async_level 0"):
@@ -238,7 +238,7 @@ def test_lora_teacher_is_the_base_model(builtin_path, tmp_path):
     batch = generate(trainer)
     base = AutoModelForCausalLM.from_pretrained(builtin_path).eval()
     context = tok(CONTEXT, add_special_tokens=False)["input_ids"]
-    lp = trainer.score_teacher(batch)
+    lp = trainer.components.distill.score_teacher(batch)
     for i in range(lp.size(0)):
         prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
         completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist()

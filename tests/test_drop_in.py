@@ -233,7 +233,7 @@ def test_offpolicy_trains_by_epochs(builtin_path, tmp_path):
                              processing_class=tok)  # fmt: skip
     trainer.train()
     assert trainer.state.global_step == 4  # 8 prompts x 4 generations / 8 per step
-    trace = trainer.offpolicy_trace  # (step, oldest, newest policy version) of each batch trained
+    trace = trainer.components.offpolicy.trace  # (step, oldest, newest policy version) of each batch trained
     assert len(trace) == 4 and all(newest <= step and step - oldest <= 1 for step, oldest, newest in trace)
 
 

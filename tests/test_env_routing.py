@@ -149,7 +149,7 @@ def test_async_generator_hands_its_episodes_to_the_detector(builtin_path, tmp_pa
 def test_chat_prompts_and_completions_are_judged_as_text():
     """Routing on chat prompts (an instruct model's environment prompts): detectors, base rewards and the hackable
     draw see each message's content after its role; a completion's one assistant message is its content."""
-    from trl_ext.routing.trainer import as_text
+    from trl_ext.routing.text import as_text
 
     prompt = [{"role": "system", "content": "rules"}, {"role": "user", "content": "9 * 8 ="}]
     assert as_text(prompt) == "system: rules\nuser: 9 * 8 ="

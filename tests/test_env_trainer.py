@@ -9,7 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import trl_ext.cli_train as cli
 from environments.base import make_env
 from trl_ext.config import train_config
-from trl_ext.env.trainer import env_rollout
+from trl_ext.components import BatchContext
+from trl_ext.env.component import env_rollout
 from trl_ext.env.episodes import chat_env_text, cut_after_answer, env_dataset, env_reward
 from reference import word_tokenizer
 
@@ -137,7 +138,8 @@ def test_multi_turn_rollout_masks_env_tokens_out_of_the_loss(tok, tmp_path):
     env_text = "\ninvalid answer\nreward: 0\ndone: false\n" + obs + "\n<think>"
     a, e = ids(tok, agent), ids(tok, env_text)
     out = env_rollout([r["prompt"] for r in rows], SimpleNamespace(
-        args=trainer.args, processing_class=tok, _env_rows=rows, _generate_single_turn=trainer._generate_single_turn,
+        args=trainer.args, processing_class=tok, batch_context=BatchContext(rows, "train"),
+        _generate_single_turn=trainer._generate_single_turn,
         _metrics=trainer._metrics, model=trainer.model, accelerator=trainer.accelerator))  # fmt: skip
     # turn 1 (agent, env reply), turn 2 (agent; max_turns reached: no reply), closing EOS (not trained)
     assert out["completion_ids"][0] == a + e + a + [1]
@@ -177,7 +179,8 @@ def test_no_think_rl_trains_on_bare_answer(tok, tmp_path):
     trainer._generate_single_turn = lambda prompt_ids, *a: ([ids(tok, said)] * len(prompt_ids), None)
     rows = [{"prompt": p, "env_seed": 0} for p in list(env_dataset(make_env("frozenlake"), 1, tok)["prompt"]) * 2]
     out = env_rollout([r["prompt"] for r in rows], SimpleNamespace(
-        args=trainer.args, processing_class=tok, _env_rows=rows, _generate_single_turn=trainer._generate_single_turn,
+        args=trainer.args, processing_class=tok, batch_context=BatchContext(rows, "train"),
+        _generate_single_turn=trainer._generate_single_turn,
         _metrics=trainer._metrics, model=trainer.model, accelerator=trainer.accelerator))  # fmt: skip
     bare = ids(tok, "<answer>up</answer>")
     assert out["completion_ids"][0] == bare + [1] and out["env_mask"][0] == [1] * len(bare) + [0]

@@ -11,10 +11,12 @@ from trl.trainer.utils import add_fused_lm_head
 
 from reference import trainer_logprobs
 
+from trl_ext.generation.backends import make_sampler
+from trl_ext.interfaces import SamplingParams
 from trl_ext.offpolicy.worker import (
     PolicyStore,
     RolloutWorker,
-    SamplingParams,
+    WorkerConfig,
     generation_copy,
     restrict_logits,
     sample,
@@ -164,8 +166,8 @@ def drive(k, strict, start, steps, on_step=None, around_publish=None, backend="f
     model = tiny_model()
     weights = {start: {n: p.clone() for n, p in model.state_dict().items()}}
     if worker_fn is None:
-        worker = RolloutWorker(generation_copy(model), PolicyStore(), params(), max_async_level=k, strict=strict,
-                               start_step=start, seed=0, backend=backend, on_step=on_step)  # fmt: skip
+        worker = RolloutWorker(make_sampler(backend, generation_copy(model)), PolicyStore(), params(),
+                               WorkerConfig(k, strict, start_step=start, seed=0), on_step=on_step)  # fmt: skip
     else:
         worker = worker_fn(model)
     worker.start()
@@ -306,8 +308,8 @@ def test_non_strict_in_flight_update_mid_sequence(backend):
 def test_queue_is_bounded_by_k():
     model = tiny_model()
     store = PolicyStore()
-    worker = RolloutWorker(generation_copy(model), store, params(max_new_tokens=2), max_async_level=2, strict=True,
-                           start_step=0, seed=0, backend="fast")  # fmt: skip
+    worker = RolloutWorker(make_sampler("fast", generation_copy(model)), store, params(max_new_tokens=2),
+                           WorkerConfig(2, True, start_step=0, seed=0))  # fmt: skip
     worker.start()
     try:
         for i in range(6):
@@ -334,8 +336,7 @@ def test_generator_failure_reaches_the_trainer(backend):
         raise FloatingPointError("generator exploded")
 
     clone.model.embed_tokens.forward = boom  # both samplers call the embedding module
-    worker = RolloutWorker(clone, store, params(), max_async_level=1, strict=False, start_step=0, seed=0,
-                           backend=backend)  # fmt: skip
+    worker = RolloutWorker(make_sampler(backend, clone), store, params(), WorkerConfig(1, False, start_step=0, seed=0))
     worker.start()
     worker.submit(0, [{}] * len(PROMPTS), PROMPTS)
     with pytest.raises(RuntimeError, match="generator thread failed") as info:

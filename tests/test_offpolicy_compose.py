@@ -16,7 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_ext.estimator import estimate_advantages
 from trl_ext.distill.advantages import DistillConfig
-from trl_ext.distill.trainer import DistillMixin
+from trl_ext.components import BatchContext
+from trl_ext.distill.component import Distillation
 from trl_ext.offpolicy.importance import NORMALISATIONS, PRIME_RL_DEFAULTS, ImportanceConfig, importance_loss, reference_kl
 from trl_ext.routing.adapters import apply_dual_lora, forget_params, retain_params
 from trl_ext.routing.step import single_pass_backward, two_pass_backward
@@ -229,21 +230,27 @@ def _trainer_batch(trainer, model):
 # ------------------------------------------------------------------ distillation advantages from behaviour log-probs
 
 
-class _Stub(DistillMixin):
-    """DistillMixin's scorer stage on a hand-made scored batch (no model)."""
+class _Stub(Distillation):
+    """Distillation's scorer stage on a hand-made scored batch (no model)."""
 
     def __init__(self, cfg, task, lp_teacher):
-        self.distill_cfg, self._distill_task, self._lp_teacher = cfg, task, lp_teacher
-        self.model, self.rollout_columns = SimpleNamespace(training=True), {}
-        self.num_generations = 2
-        self._metrics = {"train": defaultdict(list, frac_reward_zero_std=[0.0])}
-        self.accelerator = SimpleNamespace(num_processes=1, process_index=0)
+        metrics = {"train": defaultdict(list, frac_reward_zero_std=[0.0])}
+
+        def no_forward(*args, **kwargs):
+            raise AssertionError("the behaviour log-probs are in the batch: no forward of the policy may run")
+
+        self.trainer = SimpleNamespace(model=SimpleNamespace(training=True), num_generations=2,
+                                       metrics=lambda mode=None: metrics["train"], _get_per_token_logps_and_entropies=no_forward,
+                                       accelerator=SimpleNamespace(num_processes=1, process_index=0))  # fmt: skip
+        self.cfg, self.task, self._lp_teacher = cfg, task, lp_teacher
 
     def score_teacher(self, batch, prompts=None):
         return self._lp_teacher
 
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        raise AssertionError("the behaviour log-probs are in the batch: no forward of the policy may run")
+    def distill_score(self, batch, rows):
+        ctx = BatchContext(rows=rows, mode="train")
+        self.score(batch, ctx)
+        return ctx.distill
 
 
 def test_distill_student_term_uses_behaviour_logprobs_on_hand_made_tensors():
@@ -275,26 +282,31 @@ def test_distill_on_k1_builds_advantages_from_the_generators_logprobs(tmp_path, 
 
     seen = []
 
-    class Spy(ExtGRPOTrainer):
+    class Spied(Distillation):
         def student_sampling_logps(self, batch):
             lp = super().student_sampling_logps(batch)
+            t = self.trainer
             ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
             attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
             with torch.no_grad():
-                current = self._get_per_token_logps_and_entropies(self.model, ids, attn, ids.size(1) - batch[
+                current = t._get_per_token_logps_and_entropies(t.model, ids, attn, ids.size(1) - batch[
                     "prompt_ids"].size(1))[0]  # fmt: skip
-            seen.append({"lp": lp, "batch": batch, "current": current, "step": self.state.global_step})
+            seen.append({"lp": lp, "batch": batch, "current": current, "step": t.state.global_step})
             return lp
 
         def score_teacher(self, batch, prompts=None):
-            self._teacher = super().score_teacher(batch, prompts)
-            return self._teacher
+            self.trainer._teacher = super().score_teacher(batch, prompts)
+            return self.trainer._teacher
 
+    class Spy(ExtGRPOTrainer):
         def _generate_and_score_completions(self, inputs):
             batch = super()._generate_and_score_completions(inputs)
             seen[-1].update(advantages=batch["advantages"].clone(), teacher=self._teacher)
             return batch
 
+    from trl_ext import components
+
+    monkeypatch.setitem(components.COMPONENTS, "distill", Spied)
     monkeypatch.setattr(tot, "ExtGRPOTrainer", Spy)  # the tiny trainer of test_offpolicy_trainer, spied on
     trainer = tot.make_trainer(tmp_path, max_async_level=1, strict_async_level=True, max_steps=3, beta=0.05,
                                teacher_context="w5 w6 w7", teacher_tau=1.0, student_tau=0.5, adv_tau=0.0,

@@ -26,7 +26,7 @@ def test_generator_logprobs_equal_the_trainers_on_gpt2_with_unequal_prompts(tiny
     from datasets import Dataset
 
     from trl_ext.config import train_config
-    from trl_ext.generation.sampler import SamplingParams
+    from trl_ext.interfaces import SamplingParams
     from trl_ext.models import load_tokenizer, prepare_tokenizer
     from trl_ext.generation.backends import make_sampler
     from trl_ext.offpolicy.worker import generation_copy

@@ -7,12 +7,15 @@ import torch
 
 from test_offpolicy import batch_2_after_policy_1, drive, params, publish_at_third_token, scored_under
 from trl_ext.generation.backends import make_sampler
-from trl_ext.offpolicy.worker import PolicyStore, RolloutWorker, generation_copy
+from trl_ext.offpolicy.worker import PolicyStore, RolloutWorker, WorkerConfig, generation_copy
 
 
 class OneModelServer:
-    """An engine's sampler over servers that hold one model: a checkpoint is loaded when its version is staged, a
-    pushed version (staged without one) is already in the model. ``pushes``/``loads``: the versions each way."""
+    """An engine's sampler over servers that hold one model (a ``trl_ext.interfaces.VersionedSampler``): a
+    checkpoint is loaded when its version is staged, a pushed version (staged without one) is already in the model.
+    ``pushes``/``loads``: the versions each way."""
+
+    loads_versions = True
 
     def __init__(self, model) -> None:
         self.model = generation_copy(model)
@@ -49,9 +52,8 @@ def drive_pushed(k, strict, steps, on_step=None, around_publish=None, agree=bool
 
     def worker_fn(model):
         made["server"] = server = OneModelServer(model)
-        worker = RolloutWorker(None, PolicyStore(), params(), max_async_level=k, strict=strict, start_step=0, seed=0,
-                               backend="fast", on_step=on_step, sampler=server, pusher=Pusher(server),
-                               agree=agree)  # fmt: skip
+        worker = RolloutWorker(server, PolicyStore(), params(), WorkerConfig(k, strict, start_step=0, seed=0),
+                               on_step=on_step, pusher=Pusher(server), agree=agree)  # fmt: skip
         worker.publish(0, model)  # the starting policy, as the trainer pushes it
         return worker
 

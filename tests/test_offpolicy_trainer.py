@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 from trl import GRPOTrainer
 
 import trl_ext.cli_train as cli
-import trl_ext.offpolicy.trainer as opt
+import trl_ext.offpolicy.component as opt
 from trl_ext.offpolicy.args import OffPolicyArgs
 from trl_ext.config import train_config
 from trl_ext.offpolicy.importance import NO_MASK, PRIME_RL_DEFAULTS
@@ -143,6 +143,10 @@ def _batch(trainer):
     return inputs
 
 
+def _offpolicy_loss(trainer, model, inputs):
+    return trainer.components.offpolicy.loss(model, inputs)[0]
+
+
 def _grads(trainer, loss_fn, inputs):
     trainer.model.zero_grad()
     loss = loss_fn(trainer, trainer.model, inputs)
@@ -166,7 +170,7 @@ def test_gradient_equals_stock_trl_on_policy(tmp_path, loss_type, beta, masks):
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     inputs = _batch(trainer)
-    ours = _grads(trainer, opt.OffPolicyMixin.offpolicy_loss, inputs)
+    ours = _grads(trainer, _offpolicy_loss, inputs)
     stock = _grads(trainer, GRPOTrainer._compute_loss, inputs)
     assert trainer._metrics["train"]["offpolicy/ratio_mean"] == [1.0]  # ours ran, at ratio exactly 1
     assert max((a - b).abs().max().item() for a, b in zip(ours, stock, strict=True)) < 1e-6
@@ -187,15 +191,15 @@ def test_reference_kl_follows_masks_and_clip_through_trainer(tmp_path, clip):
     lp_b[0, 0] += 3.0  # ratio e^-3 = 0.05 < 0.125: token 0 of row 0 dropped
     lp_b[1, 2] -= 0.6  # ratio e^0.6 = 1.82: kept, and clipped at 1.5 when clip
     inputs["sampling_per_token_logps"] = lp_b
-    base = _grads(trainer, opt.OffPolicyMixin.offpolicy_loss, inputs)
+    base = _grads(trainer, _offpolicy_loss, inputs)
     moved = dict(inputs, ref_per_token_logps=inputs["ref_per_token_logps"].clone())
     moved["ref_per_token_logps"][3] -= 2.0
     moved["ref_per_token_logps"][0, 0] -= 2.0
-    assert max((a - b).abs().max().item() for a, b in zip(base, _grads(trainer, opt.OffPolicyMixin.offpolicy_loss,
+    assert max((a - b).abs().max().item() for a, b in zip(base, _grads(trainer, _offpolicy_loss,
                                                                          moved), strict=True)) == 0.0  # fmt: skip
     kept = dict(inputs, ref_per_token_logps=inputs["ref_per_token_logps"].clone())
     kept["ref_per_token_logps"][2, 0] -= 2.0  # a kept token: its reference log-prob does move the gradient
-    assert max((a - b).abs().max().item() for a, b in zip(base, _grads(trainer, opt.OffPolicyMixin.offpolicy_loss,
+    assert max((a - b).abs().max().item() for a, b in zip(base, _grads(trainer, _offpolicy_loss,
                                                                          kept), strict=True)) > 1e-6  # fmt: skip
     metrics = trainer._metrics["train"]
     assert metrics["offpolicy/geo_masked_high_frac"][-1] == pytest.approx(1 / 6)
@@ -212,11 +216,11 @@ def test_strict_schedule_through_trainer(tmp_path, k, accumulation):
                            gradient_accumulation_steps=accumulation)  # fmt: skip
     threads = torch.get_num_threads()
     trainer.train()
-    assert trainer.offpolicy_trace == [(n, max(n - k, 0), max(n - k, 0)) for n in range(7)]
+    assert trainer.components.offpolicy.trace == [(n, max(n - k, 0), max(n - k, 0)) for n in range(7)]
     assert logged(trainer, "offpolicy/policy_lag_max") == [float(min(n, k)) for n in range(7)]
     assert logged(trainer, "offpolicy/multi_version_seq_frac") == [0.0] * 7
     assert abs(logged(trainer, "offpolicy/ratio_mean")[0] - 1) < 1e-5  # step 0 is on-policy
-    assert trainer._rollout_worker is None and torch.get_num_threads() == threads  # stopped, threads restored
+    assert trainer.components.offpolicy.worker is None and torch.get_num_threads() == threads  # stopped, threads restored
 
 
 def test_non_strict_in_flight_update_through_trainer(tmp_path, monkeypatch):
@@ -248,8 +252,8 @@ def test_non_strict_in_flight_update_through_trainer(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, callbacks=[HoldStep0()], max_async_level=1, max_steps=3,
                            max_completion_length=12)  # fmt: skip
     trainer.train()
-    assert trainer.offpolicy_trace[:2] == [(0, 0, 0), (1, 0, 1)]
-    assert all(lo >= n - 1 and hi <= n for n, lo, hi in trainer.offpolicy_trace)
+    assert trainer.components.offpolicy.trace[:2] == [(0, 0, 0), (1, 0, 1)]
+    assert all(lo >= n - 1 and hi <= n for n, lo, hi in trainer.components.offpolicy.trace)
     assert logged(trainer, "offpolicy/multi_version_seq_frac")[1] > 0
 
 
@@ -292,7 +296,7 @@ class InflightRecorder(opt.RolloutWorker):
 
             self.store._snapshot = recorded
         else:  # the copy: its starting weights, then each version as the trainer writes it
-            self.published = {self.loaded_version: _cloned(self._params)}
+            self.published = {self.loaded_version: _cloned(self.weights.params)}
 
     def publish(self, version, model):
         self.reached[version].wait(60)  # batch `version` is past SWITCH_AT tokens of the older policy
@@ -304,7 +308,7 @@ class InflightRecorder(opt.RolloutWorker):
         if index >= 1 and t >= SWITCH_AT and not self.reached[index].is_set():
             self.reached[index].set()
             deadline = time.monotonic() + 60
-            while not (self._stop.is_set() or self.store.latest >= index) and time.monotonic() < deadline:
+            while not (self.thread.stop.is_set() or self.store.latest >= index) and time.monotonic() < deadline:
                 time.sleep(0.005)
 
     def get(self, index, poll_s=0.2):
@@ -401,11 +405,11 @@ def test_resume_regenerates_from_restored_policy(tmp_path):
     first = make_trainer(tmp_path, model_dir=model_dir, max_async_level=2, strict_async_level=True, max_steps=6,
                          save_strategy="steps", save_steps=3)  # fmt: skip
     first.train()
-    assert first.offpolicy_trace == [(n, max(n - 2, 0), max(n - 2, 0)) for n in range(6)]
+    assert first.components.offpolicy.trace == [(n, max(n - 2, 0), max(n - 2, 0)) for n in range(6)]
     resumed = make_trainer(tmp_path, model_dir=model_dir, max_async_level=2, strict_async_level=True, max_steps=6)
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
     # the queue starts empty at the restored policy 3: steps 3..5 use max(n - 2, 3) = 3, nothing from before
-    assert resumed.offpolicy_trace == [(3, 3, 3), (4, 3, 3), (5, 3, 3)]
+    assert resumed.components.offpolicy.trace == [(3, 3, 3), (4, 3, 3), (5, 3, 3)]
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -418,19 +422,19 @@ def test_prompt_stream_follows_trl_data_order(tmp_path, accumulation):
         batch = next(loader)
         if i % accumulation == 0:
             trl_batches.append([row["prompt"] for row in batch])
-    ours = trainer._prompt_stream(0)
+    ours = trainer.components.offpolicy._prompt_stream(0)
     assert [[row["prompt"] for row in next(ours)] for _ in range(3)] == trl_batches
     assert len(trl_batches[0]) == 8 * accumulation
-    resumed = trainer._prompt_stream(2)
+    resumed = trainer.components.offpolicy._prompt_stream(2)
     assert [row["prompt"] for row in next(resumed)] == trl_batches[2]
 
 
 def test_k0_is_stock_trl(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=2)
-    assert trainer.offpolicy_cfg is None
+    assert trainer.components.offpolicy is None
     assert not any(isinstance(c, opt._PublishWeights) for c in trainer.callback_handler.callbacks)
     trainer.train()
-    assert trainer.offpolicy_trace == [] and trainer._rollout_worker is None
+    assert trainer.components.names() == ["routing"]  # no off-policy component: TRL's own generation and loss
     assert not any(k.startswith("offpolicy/") for h in trainer.state.log_history for k in h)
     assert logged(trainer, "clip_ratio/region_mean")  # TRL's own loss ran
 

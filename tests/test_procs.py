@@ -395,14 +395,17 @@ def _behaviour_logprob(t: int) -> float:
 
 
 class ScriptedSampler:
-    """The off-policy generator's sampler with scripted completions (`_scripted`, global positions as in
-    ScriptedTrainer) and `_behaviour_logprob` behaviour log-probs, stamped with the loaded policy version."""
+    """The off-policy generator's sampler (a ``trl_ext.interfaces.ModelSampler`` of the generator's ``model``) with
+    scripted completions (`_scripted`, global positions as in ScriptedTrainer) and `_behaviour_logprob` behaviour
+    log-probs, stamped with the loaded policy version."""
 
-    def __init__(self, tokenizer, rank: int):
-        self.tok, self.rank = tokenizer, rank
+    loads_versions = False
 
-    def sample(self, prompt_ids, params, rng, before_step):
-        from trl_ext.generation.sampler import Sampled
+    def __init__(self, tokenizer, rank: int, model):
+        self.tok, self.rank, self.model = tokenizer, rank, model
+
+    def sample(self, prompt_ids, params, rng=None, before_step=None):
+        from trl_ext.interfaces import Sampled
 
         version, first = before_step(0), self.rank * len(prompt_ids)
         avoid = {self.tok.eos_token_id, self.tok.pad_token_id}
@@ -459,11 +462,11 @@ def run_equivalence(out: Path, model: str, env_model: str, only: tuple[str, ...]
                     "train_dataset": env_dataset(cfg.build_env(), 16, tok)}
         trainer = ScriptedTrainer(args=cfg, peft_config=peft, **data, **trainer_extra)
         assert trainer.args.world_size == n and trainer.accelerator.num_processes == n
-        if cfg.max_async_level:  # the generator thread samples with the scripted sampler
-            import trl_ext.offpolicy.worker as worker
+        if cfg.max_async_level:  # the generator thread samples with the scripted sampler, whoever makes it
+            from trl_ext.generation.backends import SAMPLERS
 
             rank = trainer.accelerator.process_index
-            worker.make_sampler = lambda backend, m, tok=trainer.processing_class: ScriptedSampler(tok, rank)
+            SAMPLERS[cfg.generation_backend] = lambda m, tok=trainer.processing_class: ScriptedSampler(tok, rank, m)
         model_ = trainer.accelerator.unwrap_model(trainer.model)  # FSDP2 shards this module in place
 
         def params() -> dict:  # on every process (gathering a DTensor's full value is a collective)

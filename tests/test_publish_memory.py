@@ -113,18 +113,20 @@ def generator_publish(model, copy, libc):
 
     import torch
 
+    from trl_ext.generation.backends import make_sampler
+    from trl_ext.interfaces import SamplingParams
     from trl_ext.offpolicy.sharded import iter_whole
-    from trl_ext.offpolicy.worker import PolicyStore, RolloutWorker, SamplingParams
+    from trl_ext.offpolicy.worker import PolicyStore, RolloutWorker, WorkerConfig
 
     params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, eos_token_ids=(0,), pad_token_id=0)
-    worker = RolloutWorker(copy, PolicyStore(), params, max_async_level=1, strict=True, start_step=0, seed=0,
-                           backend="trl")  # fmt: skip
+    config = WorkerConfig(max_async_level=1, strict=True, start_step=0, seed=0)
+    worker = RolloutWorker(make_sampler("trl", copy), PolicyStore(), params, config)
     worker.start()
     try:
         for index in (0, 1):
             worker.submit(index, [{}, {}], [[5, 6, 7], [8, 9]])
         worker.get(0)
-        while worker._next < 2:  # batch 1 sampled: the publish below is the write alone
+        while worker.gate.next_index < 2:  # batch 1 sampled: the publish below is the write alone
             threading.Event().wait(0.01)
         with torch.no_grad():
             for p in model.parameters():

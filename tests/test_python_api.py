@@ -54,7 +54,7 @@ def test_example_trains_each_extension(builtin_path, tmp_path, feature):
         assert trainable and all("lora_" in n for n in trainable)
     elif feature == "routing":
         assert trainable and all(n.split(".")[-1] in ("retain_A", "retain_B", "forget_A", "forget_B") for n in trainable)
-        assert trainer.rh_detector_name == "says_happy" and trainer.loss_type == "dapo"  # TRL's default loss
+        assert trainer.components.routing.detector_name == "says_happy" and trainer.loss_type == "dapo"  # TRL's default loss
         evals = [json.loads(line) for line in (tmp_path / "routing_eval.jsonl").read_text().splitlines()]
         assert [e["step"] for e in evals] == [2] and evals[0]["n_prompts"] == 16  # built from train_dataset
         assert set(evals[0]["modes"]) == {"both", "retain_only", "forget_only"}
@@ -62,7 +62,7 @@ def test_example_trains_each_extension(builtin_path, tmp_path, feature):
     if feature == "offpolicy":
         assert all(h["offpolicy/policy_lag_max"] <= 1 for h in logs)
     if feature == "distill":
-        assert trainer.distill_cfg is not None
+        assert trainer.components.distill.cfg is not None
 
 
 def test_routing_eval_is_built_from_the_dataset_with_trl_style_rewards():

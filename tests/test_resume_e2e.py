@@ -333,7 +333,7 @@ def test_resumed_run_continues_its_wandb_run_offline(tmp_path, monkeypatch):
 
 
 def test_marker_is_written_last_and_never_after_a_failed_save(builtin_path, tmp_path, monkeypatch):
-    import trl_ext.runs.mixin as mixin
+    import trl_ext.runs.lifecycle as mixin
 
     seen = []
     real_mark = mixin.mark_complete

@@ -1,6 +1,6 @@
 """Resume on families that transformers 5 saves under other key names (GPT-NeoX's head is ``embed_out`` on disk):
 the resumed run must train the saved weights, not the base model's. HF's own resume loads non-strictly and would keep
-the untrained head; ``runs.mixin.CheckpointMixin._load_from_checkpoint`` renames the keys back and checks them."""
+the untrained head; ``runs.lifecycle.RunLifecycle._load_from_checkpoint`` renames the keys back and checks them."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from trl_ext.routing.layout import load_layout
 from trl_ext.routing.evaluation import evaluate_modes, read_records, score_completions
 from trl_ext.routing.step import routing_labels
 from trl_ext.routing.setup import build_dual_lora_model
-from trl_ext.routing.trainer import AdaptersDisabledReference
+from trl_ext.routing.text import AdaptersDisabledReference
 from trl_ext.trainer import ExtGRPOTrainer
 
 SEED = 42
@@ -222,7 +222,7 @@ def test_checkpoint_saves_layout_and_reloads(tiny, tmp_path):
     trainer.train()
     for step in (1, 2):
         layout, mode = load_layout(tmp_path / f"checkpoint-{step}")
-        assert mode == "exclusive" and layout == trainer.dual_lora_layout
+        assert mode == "exclusive" and layout == trainer.components.routing.layout
         assert (layout.retain_rank, layout.forget_rank, layout.alpha, layout.include_lm_head) == (2, 2, 4.0, True)
     model = load_dual_lora_checkpoint(tmp_path / "checkpoint-2")
     assert isinstance(model.lm_head, DualLoRALinear) and model.lm_head.base_layer.weight is model.model.embed_tokens.weight
@@ -356,9 +356,10 @@ def test_mlp_adapter_checkpoints_reload(tiny, tmp_path, adapter_only):
 def test_detector_flags_without_a_reward_call(tiny, tmp_path, monkeypatch):
     """Pure distillation calls no reward function (the reward stage returns zeros): the detector still flags."""
     trainer = make_trainer(tiny, tmp_path, gradient_routing=False, routing_mode=None, max_steps=1)
-    monkeypatch.setattr(type(trainer), "distill_skips_rewards", property(lambda self: True))
+    routing = trainer.components.routing
+    monkeypatch.setattr(routing, "skips_rewards", lambda: True)  # what distillation's --skip_verification says
     called = []
-    monkeypatch.setattr(trainer, "routing_rewards", lambda *a: called.append(a))
+    monkeypatch.setattr(routing, "rewards", lambda *a: called.append(a))
     trainer.train()
     (_, batch), = trainer.generations
     assert batch["is_rh"].tolist() == odd_words(trainer.decode_completions(batch)) and "is_bad" not in batch
@@ -386,9 +387,9 @@ def test_routing_eval_logs_everywhere_and_restores(tiny, tmp_path, capsys):
     assert out.count("[Routing eval @ step 2]") == 3 and out.count("[Routing eval @ step 3]") == 3
     assert all((m.retain_scale, m.forget_scale) == (1.0, 1.0) for m in dual_lora_modules(trainer.model))
     rng = torch.get_rng_state()  # same seed every call: identical results, and the training RNG untouched
-    again = trainer.run_routing_eval()
+    again = trainer.components.routing.run_eval()
     assert torch.equal(torch.get_rng_state(), rng)
-    assert again == trainer.run_routing_eval()
+    assert again == trainer.components.routing.run_eval()
 
 
 def test_score_completions_by_hand():

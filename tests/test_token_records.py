@@ -1,4 +1,4 @@
-"""Token records (trl_ext/runs/token_records.py, trl_ext/runs/token_mixin.py): the labels on hand-made masks and
+"""Token records (trl_ext/runs/token_records.py, trl_ext/runs/component.py): the labels on hand-made masks and
 ratios, the table's bookkeeping, and train.py runs whose token shards load with `datasets`, hold a row for every
 trained token and agree with the masks' thresholds."""
 

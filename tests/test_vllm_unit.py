@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trl_ext.generation.sampler import SamplingParams
+from trl_ext.interfaces import SamplingParams
 from trl_ext.routing.adapters import apply_dual_lora, set_scales
 from trl_ext.vllm.engine import VLLMSampler, _cut_at_stop
 from trl_ext.vllm.weights import merged_weights, unmergeable
@@ -137,9 +137,14 @@ def test_publisher_keeps_the_versions_a_generator_can_still_need(tmp_path, monke
     monkeypatch.setattr(publish, "weights_root", lambda nbytes, copies: (str(tmp_path), "test"))
     publisher = publish.CheckpointPublisher(Accelerator(), max_async_level=2, nbytes=0)
     model = tiny_llama()
-    dirs = [publisher.publish(v, model) for v in range(5)]
+    dirs = []
+    for v in range(5):
+        assert publisher.publish(v, model) is None  # trl_ext.interfaces.Publisher
+        dirs.append(publisher.snapshot(v))
     assert [Path(d).exists() for d in dirs] == [False, False, True, True, True]
-    assert sorted(publisher.versions) == [2, 3, 4]
+    assert sorted(publisher.versions) == [2, 3, 4] and publisher.snapshot(4) == dirs[4]
+    with pytest.raises(KeyError, match="no checkpoint"):
+        publisher.snapshot(1)  # deleted: no generator can need it
     publisher.close()
     assert not Path(publisher.root).exists()
 
@@ -282,7 +287,7 @@ def test_in_process_engines_serve_bfloat16_on_cuda_and_the_policys_dtype_without
     from types import SimpleNamespace
     from unittest import mock
 
-    from trl_ext.vllm.trainer import engine_dtype
+    from trl_ext.vllm.dtype import engine_dtype
 
     policy = torch.nn.Linear(2, 2)
     auto = SimpleNamespace(vllm_dtype="auto")

@@ -96,7 +96,7 @@ def run_one(name: str, out: Path, processes: int) -> dict:
         if name == "inflight":
             import test_offpolicy_trainer as t
 
-            import trl_ext.offpolicy.trainer as offpolicy
+            import trl_ext.offpolicy.component as offpolicy
 
             worker, offpolicy.RolloutWorker = offpolicy.RolloutWorker, t.InflightRecorder
             try:

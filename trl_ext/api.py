@@ -112,7 +112,7 @@ def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
             named["model"], named["dual_lora_layout"] = build_dual_lora_model(model, cfg, cfg.dual_lora_alpha)
             named.setdefault("dual_lora_base", str(Path(model).resolve()) if Path(model).is_dir() else model)
     if cfg.dual_lora and named.get("dual_lora_layout") is not None and cfg.eval_routing_steps > 0 and not cfg.env \
-            and named.get("routing_eval_prompts") is None:  # (a model without dual adapters: RoutingMixin refuses)
+            and named.get("routing_eval_prompts") is None:  # (a model without dual adapters: the routing component refuses)
         prompts, rewards = routing_eval_from_data(named, cfg)
         named["routing_eval_prompts"] = prompts
         if named.get("routing_eval_rewards") is None:  # a script's own eval rewards are kept

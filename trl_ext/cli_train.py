@@ -45,10 +45,11 @@ def parser() -> HfArgumentParser:
     from transformers.hf_argparser import string_to_bool
 
     from trl_ext.cli_help import group_flags
+    from trl_ext.compat import parser_actions
 
     p = group_flags(HfArgumentParser((RunArgs, ExtGRPOConfig), allow_abbrev=False), ExtGRPOConfig)
     p.set_defaults(**TRAIN_DEFAULTS)  # the seed's validated values of TRL's fields (the Python API keeps TRL's)
-    for action in p._actions:  # `bool | None = None` fields (TRL's bf16 ...): a bare --flag means true, as for bools
+    for action in parser_actions(p):  # `bool | None = None` fields (TRL's bf16 ...): a bare --flag means true
         if action.type is string_to_bool and action.nargs is None:
             action.nargs, action.const = "?", True
     return p
@@ -210,7 +211,7 @@ def run_training(plan: Plan) -> int:
     trainer = ExtGRPOTrainer(model=build.model, **build.kwargs)
     add_launch_header(plan, trainer)  # train.log's launch line, once the model is prepared
     # recorded, or checked on a resume (ConfigError: exit 2)
-    start_weights(plan, model_path, getattr(trainer, "distill_teacher", None))
+    start_weights(plan, model_path, trainer.components.distill.teacher if trainer.components.distill else None)
     plan.assembly.before_train(build, trainer)  # --eval_baseline: the main process samples it, the others wait
     with preemption_handler() as flag:  # SIGTERM: a checkpoint at the next step boundary, then exit 0
         preemption = PreemptionCallback(flag, trainer.accelerator)

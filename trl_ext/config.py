@@ -22,7 +22,7 @@ from trl_ext.data import DEFAULT_PROMPT_COLUMN, DEFAULT_SPLIT
 from trl_ext.distill.args import DistillArgs
 from trl_ext.env.args import EnvArgs
 from trl_ext.estimator import check_estimator_flags
-from trl_ext.generation.trainer import GenerationArgs
+from trl_ext.generation.args import GenerationArgs
 from trl_ext.launch.processes import check_cfg_processes, check_run_processes, multi_process_settings
 from trl_ext.launch.sharding import check_cfg_sharding
 from trl_ext.models.arch import LoraTargets

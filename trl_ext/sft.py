@@ -124,13 +124,20 @@ def validate(
 
 def sft_trainer_class():
     """TRL's SFTTrainer with atomic checkpoints, loud numeric faults and FSDP2 on CPU processes
-    (`trl_ext.runs.mixin`)."""
+    (`trl_ext.runs.lifecycle`)."""
     from trl import SFTTrainer
 
-    from trl_ext.runs.mixin import CheckpointMixin
+    from trl_ext.runs.lifecycle import RunLifecycle
 
-    class CheckpointedSFTTrainer(CheckpointMixin, SFTTrainer):
-        pass
+    class CheckpointedSFTTrainer(RunLifecycle, SFTTrainer):
+        def train(self, resume_from_checkpoint=None, *args, **kwargs):
+            self.restore_run_state(resume_from_checkpoint)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.check_loss(loss)
+            return loss
 
     return CheckpointedSFTTrainer
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from trl_ext.compat import option_actions
 from trl_ext.registry import ConfigError
 
 FILE_KEYS = ("description", "needs", "recipe", "reward", "grid", "fixed", "train_flags", "baselines")
@@ -68,7 +69,7 @@ def flag_dest(key: str) -> str:
 
     if not isinstance(key, str) or key.startswith("-"):
         raise ConfigError(f"write train.py flag names as plain names without dashes, got {key!r}")
-    action = parser()._option_string_actions.get(f"--{key}")
+    action = option_actions(parser()).get(f"--{key}")
     if action is None:
         raise ConfigError(f"unknown train.py flag --{key}")
     return action.dest

@@ -1,24 +1,27 @@
-"""`ExtGRPOTrainer`: TRL's GRPOTrainer with the project's features, composed by one explicit batch flow. Plumbing
-only: each stage is a feature's method, the math lives in the feature subpackages (routing, offpolicy, distill, env).
+"""`ExtGRPOTrainer`: TRL's GRPOTrainer with the project's features as components (``trl_ext/components.py``).
 
-One generation batch (`_generate_and_score_completions`), in this order; ``trl_ext/batch.py`` is the schema of the
-batch dict every stage reads and extends:
-1. **rollout source**: TRL's generation (``--generation_backend trl|fast``: `generation.trainer`), the environment
-   loop (``--env``: `env.trainer.env_rollout`, TRL's ``rollout_func``), or the asynchronous generator thread
-   (``--max_async_level >= 1``: `offpolicy.trainer`, either of the two), all into TRL's own batch building;
+Plumbing only: this class keeps the one override of each TRL hook it changes, and each override calls that stage of
+every component of the run, in order (the math lives in the feature subpackages). One generation batch
+(`_generate_and_score_completions`), in this order; ``trl_ext/batch.py`` is the schema of the batch dict every stage
+reads and extends, `trl_ext.components.BatchContext` what the stages hand each other beside it:
+
+1. **rollout source** (`_prepare_inputs`, `_generate`, `_generate_single_turn`): TRL's generation, the fast sampler
+   (``generation``), the environment loop (``env``: TRL's ``rollout_func``), vLLM (``vllm``) or the asynchronous
+   generator thread (``offpolicy``), all into TRL's own batch building;
 2. **rewards** (`_calculate_rewards`, called by TRL within 1): the reward functions (none under pure distillation),
-   checked finite (`runs.faults`), routing's base reward where the hack does not pay and its detector flags, the
-   task reward kept for distillation;
-3. **scorers**: policy versions (off-policy), routing labels ``is_rh`` / ``is_bad``, teacher and student
-   log-probs (distillation);
+   checked finite (`runs.faults`), each component's `rewards` stage (routing's base reward and detector flags), then
+   `rewards_done` (distillation keeps the task reward);
+3. **scorers** (`Component.score`): policy versions (off-policy), routing labels ``is_rh`` / ``is_bad``, teacher and
+   student log-probs (distillation);
 4. **estimator** (`trl_ext.estimator`): the one decision on the advantages (TRL's, ``--adv_estimator``,
-   distillation's, then a routing arm); combinations that would leave one unused are parse-time errors;
-5. **records**: ``--eval_rewards``, the zero-signal monitor, ``--save_rollouts`` and its token records
-   (``--token_records_every``, `runs.token_mixin`), the schema check.
+   distillation's, then a routing arm), then `Component.estimated` (routing's trace);
+5. **records**: ``--eval_rewards``, the zero-signal monitor, then `Component.record` (saved rollouts, token
+   records), then the schema check.
 
-Then per micro-batch: **loss** (`_compute_loss`): TRL's, or the off-policy importance-sampling loss, with
-distillation's token bonus around either; **backward** (`training_step`): routing's routed backward when on;
-numeric faults and checkpoints around it (`runs.mixin.CheckpointMixin`).
+Then per micro-batch: **loss** (`_compute_loss`): a component's loss (off-policy importance sampling) or TRL's,
+inside every component's `around_loss` (distillation's token bonus, fed by `loss_logps` right after the loss's own
+log-prob forward); **backward** (`training_step`): a component's (routing's routed backward) or TRL's; numeric faults
+and checkpoints around it (`runs.lifecycle.RunLifecycle`).
 
 Other hooks: `_tokenize_prompts` (plain-text prompts without special tokens: SimpleStories' tokenizer would append
 [EOS]) and `log` (``[Sample @ step N] prompt ||| completion`` every logging step).
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -36,36 +40,41 @@ from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
 from rewards.bound import score, trl_context
-from trl_ext.batch import BatchFeatures, check_batch, loss_mask
-from trl_ext.distill.trainer import DistillMixin
-from trl_ext.env.episodes import episode_columns
-from trl_ext.env.trainer import EnvMixin
+from trl_ext import compat
+from trl_ext import components as comp
+from trl_ext.batch import BatchFeatures, check_batch
 from trl_ext.estimator import estimate_advantages, local_slice, weighted_rewards
-from trl_ext.generation.trainer import GenerationMixin
 from trl_ext.monitor import ZeroSignalMonitor
-from trl_ext.offpolicy.trainer import OffPolicyMixin
-from trl_ext.routing.trainer import RoutingMixin
-from trl_ext.runs import rollouts
 from trl_ext.runs.faults import NumericFault, check_rewards, guard_reward
-from trl_ext.runs.mixin import CheckpointMixin
-from trl_ext.runs.token_mixin import TokenRecordsMixin
-from trl_ext.vllm.trainer import VLLMMixin
+from trl_ext.runs.lifecycle import RunLifecycle
 
 TextReward = Callable[[list[str]], list[float]]
 
 
-class ExtGRPOTrainer(TokenRecordsMixin, CheckpointMixin, DistillMixin, RoutingMixin, VLLMMixin, OffPolicyMixin,
-                     EnvMixin, GenerationMixin, GRPOTrainer):
+class ExtGRPOTrainer(RunLifecycle, GRPOTrainer):
+    components = comp.Components([])  # a trainer built without __init__ (mocks, TRL's tests) has none
+    batch_context: comp.BatchContext | None = None
+    _loss_inputs: dict | None = None
+
     def __init__(self, *args, eval_reward_funcs: dict[str, TextReward] | None = None,
                  reward_names: list[str] | None = None, **kwargs):
-        """GRPOTrainer's arguments, the feature mixins' keyword arguments (routing: ``rh_detector``, ...),
-        ``eval_reward_funcs`` (name -> reward, logged, not optimised; a ``rewards.bound.BoundReward`` that reads more
-        than texts gets the batch's TRL reward arguments) and ``reward_names`` (the names logged for
-        ``reward_funcs``, instead of TRL's). Python-API conveniences
+        """GRPOTrainer's arguments, the components' keyword arguments (routing: ``rh_detector``, ...; each
+        component's `options`), ``eval_reward_funcs`` (name -> reward, logged, not optimised; a
+        ``rewards.bound.BoundReward`` that reads more than texts gets the batch's TRL reward arguments) and
+        ``reward_names`` (the names logged for ``reward_funcs``, instead of TRL's). Python-API conveniences
         (``trl_ext.api``): a builtin model name or path as ``model``, the tokenizer prepared, dual adapters built."""
         from trl_ext.api import trainer_arguments
 
-        super().__init__(**trainer_arguments(args, kwargs))
+        named = trainer_arguments(args, kwargs)
+        self.batch_context = None
+        """The generation batch's context while its stages run (`trl_ext.components.BatchContext`)."""
+        self._loss_inputs = None  # the micro-batch whose loss forward is next (`loss_logps`)
+        self._loss_logps: torch.Tensor | None = None
+        self.components = comp.build(self, named["args"], named)
+        with ExitStack() as stack:
+            for c in self.components:
+                stack.enter_context(c.building(named))
+            super().__init__(**named)
         if reward_names is not None:  # config binding names (TRL names a reward model by its checkpoint directory)
             if len(reward_names) != len(self.reward_func_names):
                 raise ValueError(f"{len(reward_names)} reward_names for {len(self.reward_func_names)} reward functions")
@@ -76,27 +85,75 @@ class ExtGRPOTrainer(TokenRecordsMixin, CheckpointMixin, DistillMixin, RoutingMi
         self.reward_funcs = [f if isinstance(f, torch.nn.Module) else guard_reward(f, name, self._reward_faults)
                              for f, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]  # fmt: skip
         self.eval_reward_funcs = dict(eval_reward_funcs or {})
-        self.reward_context: dict[str, Any] = {}
-        """TRL's reward keyword arguments of the current batch (`rewards.bound.trl_context`), for the eval rewards
-        and routing's base reward."""
         self.zero_signal = ZeroSignalMonitor(self.args.zero_signal_patience)
-        self.rollout_columns: dict[str, list] = {}
-        """Per-sample values that feature mixins add for the saved rollouts (cleared for every batch)."""
-        self._estimator_source = None
-        """The estimator stage's source of the last training batch (printed when it changes)."""
-        self._rollout_features = None
-        if self.args.save_rollouts:
-            self._rollout_features = rollouts.features(list(self.reward_func_names), list(self.eval_reward_funcs))
+        self._estimator_source = None  # the estimator stage's source of the last training batch (printed on change)
+        for c in self.components:
+            c.setup()
+            for callback in c.callbacks():
+                self.add_callback(callback)
 
     def checkpoint_state(self) -> dict:
-        return {**super().checkpoint_state(), "zero_signal": self.zero_signal.state()}
+        states = {c.name: s for c in self.components if (s := c.state())}
+        return {"zero_signal": self.zero_signal.state(), **({"components": states} if states else {})}
 
     def load_checkpoint_state(self, state: dict) -> None:
-        super().load_checkpoint_state(state)
         if "zero_signal" in state:
             self.zero_signal.load_state(state["zero_signal"])
+        for c in self.components:
+            if c.name in state.get("components", {}):
+                c.load_state(state["components"][c.name])
 
-    # ----------------------------------------------------------------------------------------
+    def metrics(self, mode: str | None = None) -> dict[str, list]:
+        """TRL's metric lists of ``mode`` (default: the model's mode), which its ``log`` averages."""
+        return compat.trl_metrics(self, mode)
+
+    # ---------------------------------------------------------------------------------------- lifecycle
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self.restore_run_state(resume_from_checkpoint)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            for c in reversed(list(self.components)):
+                c.close()
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = self.components.first("create_optimizer", self.accelerator.unwrap_model(self.model))
+        return super().create_optimizer(model)
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        out = output_dir or self.args.output_dir
+        if not any(c.save(out, state_dict) for c in self.components):
+            super()._save(output_dir, state_dict)
+        for c in self.components:
+            c.saved(out)
+
+    # ---------------------------------------------------------------------------------------- 1. rollout source
+    def _prepare_inputs(self, generation_batch):
+        if self.model.training and compat.new_generation_batch_due(self):
+            rows = self.components.first("generation_rows", generation_batch)
+            if rows is not None:
+                compat.reset_buffered_inputs(self)  # TRL builds the batch from these rows
+                generation_batch = rows
+        return super()._prepare_inputs(generation_batch)
+
+    def _generate(self, prompts):
+        own = self.components.first("generate", prompts, self.batch_context)
+        if own is None:
+            return super()._generate(prompts)
+        saved, self.rollout_func = self.rollout_func, lambda _prompts, _trainer: own  # TRL's hook for completions
+        try:  # made elsewhere
+            return super()._generate(prompts)
+        finally:
+            self.rollout_func = saved
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        out = self.components.first("generate_single_turn", prompt_ids, images, multimodal_fields, num_generations,
+                                    has_tool_images)  # fmt: skip
+        if out is not None:
+            return out
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
     def _tokenize_prompts(self, prompts: list):
         if is_conversational({"prompt": prompts[0]}):
             return super()._tokenize_prompts(prompts)
@@ -109,26 +166,27 @@ class ExtGRPOTrainer(TokenRecordsMixin, CheckpointMixin, DistillMixin, RoutingMi
             [row[m].tolist() for row, m in zip(ids, mask, strict=True)], skip_special_tokens=True
         )
 
-    # ---------------------------------------------------------------------------------------- the batch flow
+    # ---------------------------------------------------------------------------------------- 2. rewards
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """Stage 2: rewards (see the module docstring)."""
+        ctx = self.batch_context
         step = self.state.global_step + 1
-        self.reward_context = trl_context(inputs, prompts, completions, completion_ids_list, self.state)
-        if self.distill_skips_rewards:  # pure distillation: no reward function is called
+        ctx.reward_context = trl_context(inputs, prompts, completions, completion_ids_list, self.state)
+        if any(c.skips_rewards() for c in self.components):  # pure distillation: no reward function is called
             rewards = torch.zeros(len(prompts), len(self.reward_funcs), device=self.accelerator.device)
-            self._rewards_per_func, self._local_rewards = rewards, rewards
+            ctx.rewards, ctx.local_rewards = rewards, rewards
             return rewards
         try:
             rewards = GRPOTrainer._calculate_rewards(self, inputs, prompts, completions, completion_ids_list)
         except ValueError as e:  # TRL's check of the number of rewards (it names the function)
             raise NumericFault(f"step {step}: {e} First completion: {completions[0]!r}") from e
-        rewards = self.routing_rewards(rewards, prompts, completions)
+        for c in self.components:
+            rewards = c.rewards(ctx, rewards, prompts, completions)
         n, rank = len(prompts), self.accelerator.process_index
         local = rewards[rank * n : (rank + 1) * n]
         self.check_reward_faults(rewards, local, list(completions), step)
-        self._local_rewards = local
-        self._rewards_per_func = rewards
-        self.distill_record_task(rewards)
+        ctx.rewards, ctx.local_rewards = rewards, local
+        for c in self.components:
+            c.rewards_done(ctx)
         return rewards
 
     def check_reward_faults(self, rewards: torch.Tensor, local: torch.Tensor, completions: list, step: int) -> None:
@@ -139,7 +197,7 @@ class ExtGRPOTrainer(TokenRecordsMixin, CheckpointMixin, DistillMixin, RoutingMi
         none_ok = [not isinstance(f, torch.nn.Module) for f in self.reward_funcs]  # their NaN is a None
         nan = torch.isnan(rewards)
         bad = ~torch.isfinite(rewards) & ~(nan & torch.tensor(none_ok, device=rewards.device))
-        if faults:  # first, whatever the base reward (routing_rewards) put in place of the marked value
+        if faults:  # first, whatever the base reward (routing's rewards stage) put in place of the marked value
             raise NumericFault(faults[0])
         refusal = self.none_reward_refusal() if bool(nan.any()) else None
         if not bool(bad.any()) and refusal is None:
@@ -157,132 +215,111 @@ class ExtGRPOTrainer(TokenRecordsMixin, CheckpointMixin, DistillMixin, RoutingMi
         """Why a reward of None (TRL's "not applicable") cannot be used by this run, or None: TRL's own advantages
         skip it (``nanmean``, ``nansum``), but the features that read every sample's reward need a value."""
         a = self.args
-        features = [name for name, on in (
-            ("gradient routing's labels and base reward", a.labelled or a.needs_base_reward),
-            ("distillation's task reward", a.distill_on), ("--adv_estimator", bool(a.adv_estimator)),
-            ("the environment's reward", bool(a.env)),
-            ("the routing eval's mean rewards", a.dual_lora and a.eval_routing_steps > 0),
-        ) if on]  # fmt: skip
+        features = [why for c in self.components if (why := c.needs_every_reward())]
+        features += ["--adv_estimator"] * bool(a.adv_estimator)
         if not features:
             return None
         return (f"{', '.join(features)} need(s) a reward for every completion; None (not applicable) works with "
                 "these off, as in TRL")
 
+    # ---------------------------------------------------------------------------------------- the batch flow
     def _generate_and_score_completions(self, inputs):
         """Stages 1-5 of one generation batch (see the module docstring)."""
-        self.rollout_columns = episode_columns(inputs) if self.args.env else {}  # saved rollouts: env, env_seed
-        self._env_rows = inputs  # the environment source reads each row's env_seed (same order as the prompts)
-        batch = GRPOTrainer._generate_and_score_completions(self, inputs)  # 1 and 2
         mode = "train" if self.model.training else "eval"
-        self.offpolicy_versions_stage(batch)  # 3: scorers
-        scored = self.routing_labels_stage(batch)
-        distill = self.distill_score(batch, inputs)
-        group = self.num_generations if mode == "train" else self.num_generations_eval
-        rewards = weighted_rewards(self._rewards_per_func, self.reward_weights)
-        estimate = estimate_advantages(rewards, group, env_estimator=self.args.adv_estimator, distill=distill,
-                                       routing=self.routing_arm(scored) if mode == "train" else None)  # 4
-        if mode == "train" and estimate.source != self._estimator_source:  # the run log names who decided them
-            self._estimator_source = estimate.source
-            print(f"advantages: {estimate.source} (step {self.state.global_step + 1})", flush=True)
-        n, proc = len(inputs), self.accelerator.process_index
-        pre = batch["advantages"] if estimate.base is None else local_slice(estimate.base, proc, n)
-        if estimate.advantages is not None:
-            batch["advantages"] = local_slice(estimate.advantages, proc, n).to(batch["advantages"])
-        self.routing_trace_stage(batch, scored, pre)
-        if distill is not None and self._metrics[mode]["frac_reward_zero_std"]:  # whole batch: groups intact
-            no_signal = self.distill_no_signal(estimate.advantages, distill, group)
-            self._metrics[mode]["frac_reward_zero_std"][-1] = no_signal.float().mean().item()
-        self._record_batch(batch, mode)  # 5
-        check_batch(batch, self.batch_features(mode))
+        ctx = self.batch_context = comp.BatchContext(rows=list(inputs), mode=mode,
+                                                     first_row=self.accelerator.process_index * len(inputs))
+        try:
+            batch = GRPOTrainer._generate_and_score_completions(self, inputs)  # 1 and 2
+            for c in self.components:  # 3: scorers
+                c.score(batch, ctx)
+            self._estimate(batch, ctx)  # 4
+            self._record_batch(batch, ctx)  # 5
+            for c in self.components:
+                c.record(batch, ctx)
+            check_batch(batch, self.batch_features(ctx))
+        finally:
+            self.batch_context = None
         return batch
 
-    def batch_features(self, mode: str) -> BatchFeatures:
-        """Which optional keys this trainer's batches carry (`trl_ext.batch`)."""
-        a, d = self.args, self.distill_cfg
-        token_path = d is not None and not d.use_full_reward_baseline
-        return BatchFeatures(
-            env=bool(a.env) or bool(self.tools), offpolicy=self._pending_rollout is not None, detector=self.rh_detector is not None,
-            labelled=a.labelled and mode == "train" and self.rh_detector is not None,
-            distill_teacher_tokens=token_path and d.teacher_tau > 0, distill_gate=token_path and d.kl_only_incorrect,
-        )
+    def _estimate(self, batch: dict, ctx: comp.BatchContext) -> None:
+        train = ctx.mode == "train"
+        group = self.num_generations if train else self.num_generations_eval
+        rewards = weighted_rewards(ctx.rewards, self.reward_weights)
+        estimate = estimate_advantages(rewards, group, env_estimator=self.args.adv_estimator, distill=ctx.distill,
+                                       routing=ctx.routing_arm if train else None)
+        if train and estimate.source != self._estimator_source:  # the run log names who decided them
+            self._estimator_source = estimate.source
+            print(f"advantages: {estimate.source} (step {self.state.global_step + 1})", flush=True)
+        n, proc = len(ctx.rows), self.accelerator.process_index
+        ctx.pre_advantages = batch["advantages"] if estimate.base is None else local_slice(estimate.base, proc, n)
+        if estimate.advantages is not None:
+            batch["advantages"] = local_slice(estimate.advantages, proc, n).to(batch["advantages"])
+        ctx.advantages = estimate.advantages
+        for c in self.components:
+            c.estimated(batch, ctx)
 
-    def _record_batch(self, batch: dict[str, Any], mode: str) -> None:
-        eval_values = {}
+    def batch_features(self, ctx: comp.BatchContext) -> BatchFeatures:
+        """Which optional keys this batch carries (`trl_ext.batch`), as the components decide."""
+        keys: dict[str, bool] = {"env": bool(self.tools)}
+        for c in self.components:
+            for key, value in c.batch_keys(ctx).items():
+                keys[key] = keys.get(key, False) or value
+        return BatchFeatures(**keys)
+
+    def _record_batch(self, batch: dict[str, Any], ctx: comp.BatchContext) -> None:
+        mode = ctx.mode
         if self.eval_reward_funcs:
             texts = self.decode_completions(batch)
             for name, fn in self.eval_reward_funcs.items():
-                eval_values[name] = score(fn, texts, self.reward_context)
-                values = torch.tensor(eval_values[name], dtype=torch.float32, device=self.accelerator.device)
-                self._metrics[mode][f"eval_rewards/{name}"].append(self.accelerator.gather(values).mean().item())
-        if self._rollout_features is not None and mode == "train":
-            self.write_rollouts(batch, eval_values)
+                ctx.eval_rewards[name] = score(fn, texts, ctx.reward_context)
+                values = torch.tensor(ctx.eval_rewards[name], dtype=torch.float32, device=self.accelerator.device)
+                self.metrics(mode)[f"eval_rewards/{name}"].append(self.accelerator.gather(values).mean().item())
         if mode == "train":
-            frac_zero = self._metrics["train"]["frac_reward_zero_std"][-1]
+            frac_zero = self.metrics("train")["frac_reward_zero_std"][-1]
             self.zero_signal.update(frac_zero, self.state.global_step + 1)
-            self._metrics["train"]["zero_spread_streak"].append(float(self.zero_signal.streak))
+            self.metrics("train")["zero_spread_streak"].append(float(self.zero_signal.streak))
 
+    # ---------------------------------------------------------------------------------------- loss and backward
     def _compute_loss(self, model, inputs):
-        """Loss stage: TRL's loss, or the off-policy importance-sampling loss (k >= 1), with distillation's
-        token-path bonus around either."""
-        with self.distill_token_bonus(inputs):
-            if self.offpolicy_loss_on:
-                return self.offpolicy_loss(model, inputs)
-            with self.capture_trl_loss(inputs):  # --token_records_every: the rows this loss trains
-                loss = GRPOTrainer._compute_loss(self, model, inputs)
+        """Loss stage: a component's loss (off-policy importance sampling) or TRL's, inside every component's
+        `around_loss`; `loss_logps` right after the loss's own log-prob forward."""
+        with ExitStack() as stack:
+            for c in self.components:
+                stack.enter_context(c.around_loss(inputs))
+            self._loss_inputs, self._loss_logps = inputs, None
+            try:
+                out = self.components.first("loss", model, inputs)
+                if out is None:
+                    out = GRPOTrainer._compute_loss(self, model, inputs), comp.LossTokens(self._loss_logps)
+            finally:
+                self._loss_inputs = self._loss_logps = None
+            loss, tokens = out
+            for c in self.components:
+                c.loss_tokens(inputs, tokens)
             return loss
 
-    def write_rollouts(self, batch: dict[str, Any], eval_values: dict[str, list]) -> None:
-        """Write this batch's samples to ``{run_dir}/rollouts/`` (schema: `trl_ext.runs.rollouts`)."""
-        tok, mask = self.processing_class, batch["completion_mask"]
-        trained = loss_mask(batch)
-        n = mask.size(0)
-        rows = lambda ids, m: [r[k].tolist() for r, k in zip(ids, m.bool(), strict=True)]  # noqa: E731
-        prompts = tok.batch_decode(rows(batch["prompt_ids"], batch["prompt_mask"]), skip_special_tokens=True)
-        ids = rows(batch["completion_ids"], mask)
-        completions = tok.batch_decode(ids, skip_special_tokens=True)
-        if "tool_mask" in batch:  # turn boundaries of environment transcripts
-            decode = lambda x: tok.decode(x, skip_special_tokens=True)  # noqa: E731
-            segments = [rollouts.split_segments(i, t, decode) for i, t in zip(ids, rows(trained, mask), strict=True)]
-        else:
-            segments = [[{"source": "agent", "text": text}] for text in completions]
-        rewards = self._local_rewards
-        weights = self.reward_weights.to(rewards.device)
-        first = self.accelerator.process_index * n  # this process's rows of the generation batch (TRL's order)
-        cols: dict[str, list] = {
-            "step": [self.state.global_step + 1] * n, "sample": list(range(first, first + n)),
-            "group": [(first + i) // self.num_generations for i in range(n)], "prompt": prompts,
-            "completion": completions,
-            "segments": segments, "reward": rollouts.weighted_reward(rewards, weights).tolist(),
-            **{f"reward/{name}": rewards[:, j].double().tolist() for j, name in enumerate(self.reward_func_names)},
-            **{f"eval_reward/{name}": [float(v) for v in values] for name, values in eval_values.items()},
-            "advantage": rollouts.sequence_values(batch["advantages"].detach(), trained),
-            "completion_tokens": trained.sum(1).long().tolist(),
-        }  # fmt: skip
-        for key in ("is_rh", "is_bad"):
-            cols[key] = batch[key].bool().tolist() if key in batch else [None] * n
-        if "behaviour_versions" in batch:
-            v, m = batch["behaviour_versions"], trained.bool()
-            cols["policy_version_min"] = torch.where(m, v, torch.iinfo(v.dtype).max).amin(1).tolist()
-            cols["policy_version_max"] = torch.where(m, v, torch.iinfo(v.dtype).min).amax(1).tolist()
-        for key, values in self.rollout_columns.items():
-            cols[key] = values
-        for key in rollouts.OPTIONAL_COLUMNS:
-            cols.setdefault(key, [None] * n)
-        if self.token_records_due():  # --token_records_every: this step's token rows (`runs.token_mixin`)
-            self.start_token_records(batch, cols, first)
-        if self.accelerator.num_processes > 1:  # one shard per step, written by the main process
-            from accelerate.utils import gather_object
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        inputs, self._loss_inputs = self._loss_inputs, None
+        if inputs is not None:  # the loss's own forward (its first call within `_compute_loss`)
+            self._loss_logps = out[0].detach()
+            for c in self.components:
+                c.loss_logps(inputs, out[0])
+        return out
 
-            cols = {key: gather_object(values) for key, values in cols.items()}
-            if not self.accelerator.is_main_process:
-                return
-        path = rollouts.shard_path(self.args.output_dir, self.state.global_step + 1)
-        rollouts.write_shard(path, cols, self._rollout_features)
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = self.components.first("backward", model, inputs, num_items_in_batch)
+        if loss is None:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        self.check_loss(loss)
+        for c in self.components:
+            c.step_done()
+        return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        step = self.state.global_step
-        if self.model.training and self._logs["prompt"] and self.accelerator.is_main_process and "loss" in logs:
-            prompt, completion = self._logs["prompt"][-1], self._logs["completion"][-1]
+        step, sample = self.state.global_step, compat.trl_logs(self)
+        if self.model.training and sample["prompt"] and self.accelerator.is_main_process and "loss" in logs:
+            prompt, completion = sample["prompt"][-1], sample["completion"][-1]
             tqdm.write(f"[Sample @ step {step}] {prompt} ||| {completion}", file=sys.stdout)
             sys.stdout.flush()
         super().log(logs, start_time)

@@ -58,7 +58,7 @@ noop_engine_load = does_nothing(
 rng_not_restored = does_nothing(
     "Trainer._load_rng_state (transformers) does nothing: a resumed run keeps the RNG state of its fresh start.")
 numeric_fault_ignored = does_nothing(
-    "CheckpointMixin.numeric_fault does nothing: a NaN / inf loss or gradient norm trains on.")
+    "RunLifecycle.numeric_fault does nothing: a NaN / inf loss or gradient norm trains on.")
 
 def gate_without_load(orig):
     """VersionGate.enter (the server's version gate) never loads a checkpoint: it records the requested version and
@@ -107,46 +107,49 @@ def single_attempt(orig):
 
 
 def load_without_copy(orig):
-    """RolloutWorker._load takes the published snapshot and records its version but never copies the weights into
-    the generator's model, nor hands a vLLM engine the version's checkpoint (the generator keeps sampling with its
-    starting weights; the vLLM sampler, asked for a version it was never given, stops the run)."""
+    """GeneratorWeights.load (the off-policy generator's load of a published snapshot) takes the snapshot and records
+    its version but never copies the weights into the generator's model, nor hands a vLLM engine the version's
+    checkpoint (the generator keeps sampling with its starting weights; the vLLM sampler, asked for a version it was
+    never given, stops the run)."""
 
-    def _load(self, version):
+    def load(self, version):
         self.store.take(version)
         self.loaded_version = version
 
-    return _load
+    return load
 
 
 def copy_nothing(orig):
-    """RolloutWorker._copy_in reads every published tensor (the FSDP2 gathers still run) but copies none into the
-    generator's model (it keeps sampling with its starting weights)."""
+    """GeneratorWeights.copy_in (every publish's and load's copy into the off-policy generator's model) reads every
+    published tensor (the FSDP2 gathers still run) but copies none into the generator's model (it keeps sampling with
+    its starting weights)."""
 
-    def _copy_in(self, tensors):
+    def copy_in(self, tensors):
         for _ in tensors:
             pass
 
-    return _copy_in
+    return copy_in
 
 
 def always_snapshot(orig):
-    """RolloutWorker._write_decision always answers "snapshot": every publish keeps a copy of the trainable weights in
-    the store until the generator loads it (as every publish did before the weights were written in place)."""
+    """WeightGate.write_decision (the off-policy generator's weight gate) always answers "snapshot": every publish
+    keeps a copy of the trainable weights in the store until the generator loads it (as every publish did before the
+    weights were written in place)."""
 
-    def _write_decision(self, version):
+    def write_decision(self, version):
         return "snapshot"
 
-    return _write_decision
+    return write_decision
 
 
 def always_write(orig):
-    """RolloutWorker._write_decision answers "write" at once, whatever the generator still has to sample: a publish
-    overwrites the policy a strict generator still owes batches of."""
+    """WeightGate.write_decision (the off-policy generator's weight gate) answers "write" at once, whatever the
+    generator still has to sample: a publish overwrites the policy a strict generator still owes batches of."""
 
-    def _write_decision(self, version):
+    def write_decision(self, version):
         return "write"
 
-    return _write_decision
+    return write_decision
 
 
 def gather_whole_model_first(orig):
@@ -188,15 +191,15 @@ def _first_version(versions: list[list[int]]) -> list[list[int]]:
 
 
 def stamp_first_version(orig):
-    """RolloutWorker._sample_batch stamps every token of a sequence with the version of its first token (in-flight
-    weight loads still happen; the versions no longer say so)."""
+    """BatchSampler.sample_batch (the off-policy generator's sampling of one batch) stamps every token of a sequence
+    with the version of its first token (in-flight weight loads still happen; the versions no longer say so)."""
 
-    def _sample_batch(self, *args, **kwargs):
-        rollout = orig(self, *args, **kwargs)
+    def sample_batch(self, index, rows, prompt_ids, rng):
+        rollout = orig(self, index, rows, prompt_ids, rng)
         rollout.versions = _first_version(rollout.versions)
         return rollout
 
-    return _sample_batch
+    return sample_batch
 
 
 def vllm_stamp_first_version(orig):
@@ -354,8 +357,9 @@ def batches_not_skipped(orig):
 
 
 def schedule_from_step_zero(orig):
-    """RolloutWorker.required_version ignores the step training resumed at (max(n - k, 0), not max(n - k, s)): a
-    resumed run asks for policies from before the checkpoint."""
+    """WeightGate.required_version (the off-policy schedule, RolloutWorker.required_version's) ignores the step
+    training resumed at (max(n - k, 0), not max(n - k, s)): a resumed run asks for policies from before the
+    checkpoint."""
 
     def required_version(self, index):
         return max(index - self.k, 0)
@@ -364,7 +368,7 @@ def schedule_from_step_zero(orig):
 
 
 def prompts_from_batch_zero(orig):
-    """OffPolicyMixin._prompt_stream ignores the resume step: the generator's prompt batches start over at batch 0."""
+    """OffPolicy._prompt_stream ignores the resume step: the generator's prompt batches start over at batch 0."""
 
     def _prompt_stream(self, start):
         return orig(self, 0)
@@ -392,7 +396,7 @@ def plain_write(orig):
 
 
 def marker_first(orig):
-    """CheckpointMixin._save_checkpoint writes the completion marker before the checkpoint's files."""
+    """RunLifecycle._save_checkpoint writes the completion marker before the checkpoint's files."""
 
     def _save_checkpoint(self, model, trial, *args, **kwargs):
         import sys
@@ -401,7 +405,7 @@ def marker_first(orig):
         if self.args.should_save:
             ckpt = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
             ckpt.mkdir(parents=True, exist_ok=True)
-            sys.modules["trl_ext.runs.mixin"].mark_complete(ckpt, self.state.global_step)
+            sys.modules["trl_ext.runs.lifecycle"].mark_complete(ckpt, self.state.global_step)
         return orig(self, model, trial, *args, **kwargs)
 
     return _save_checkpoint

@@ -111,19 +111,19 @@ MECHANISMS: tuple[Mechanism, ...] = (
     M("offpolicy_publish",
       "docs/offpolicy.md: the trainer publishes its trainable weights after every optimizer step and the generator "
       "loads them (strict: batch n sampled by policy max(n - k, s); in flight: every newer policy)",
-      "trl_ext.offpolicy.worker", "RolloutWorker._copy_in", copy_nothing,
+      "trl_ext.offpolicy.weights", "GeneratorWeights.copy_in", copy_nothing,
       ("tests/test_offpolicy_trainer.py::test_inflight_tokens_carry_their_versions_logprobs",
        "tests/test_offpolicy.py::test_strict_schedule_versions_and_weights")),
     M("publish_in_place",
       "docs/offpolicy.md: at strict k = 1 and in flight every publish is written straight into the generator's copy, "
       "one gathered parameter at a time: no snapshot of the weights is held beside the copy",
-      "trl_ext.offpolicy.worker", "RolloutWorker._write_decision", always_snapshot,
+      "trl_ext.offpolicy.gate", "WeightGate.write_decision", always_snapshot,
       ("tests/test_offpolicy.py::test_publish_writes_into_the_copy_without_a_snapshot",
        "tests/test_publish_memory.py::test_publish_under_fsdp2_holds_a_bucket_not_the_model")),
     M("publish_waits_for_older_batches",
       "docs/offpolicy.md: a strict generator still owing batches of an older policy keeps the new one as a snapshot "
       "(k >= 2): no batch is sampled by a policy other than its own",
-      "trl_ext.offpolicy.worker", "RolloutWorker._write_decision", always_write,
+      "trl_ext.offpolicy.gate", "WeightGate.write_decision", always_write,
       ("tests/test_offpolicy.py::test_strict_generator_behind_keeps_a_snapshot",
        "tests/test_offpolicy.py::test_strict_schedule_versions_and_weights")),
     M("fast_sampler_refresh",
@@ -134,12 +134,12 @@ MECHANISMS: tuple[Mechanism, ...] = (
        "tests/test_offpolicy.py::test_strict_schedule_versions_and_weights")),
     M("offpolicy_publish_vllm",
       "docs/vllm.md: k >= 1 with --use_vllm: every published policy, written as a checkpoint the engine reloads",
-      "trl_ext.offpolicy.worker", "RolloutWorker._load", load_without_copy,
+      "trl_ext.offpolicy.weights", "GeneratorWeights.load", load_without_copy,
       ("tests/test_vllm.py::test_k1_strict_engine_follows_the_policy",)),
     M("vllm_sync_k0",
       "docs/vllm.md: k = 0, TRL's colocate engine: weight sync every optimizer step, the merged weights reloaded "
       "(trl_ext/vllm/trainer.py sync_colocate)",
-      "trl_ext.vllm.trainer", "sync_colocate", noop_sync,
+      "trl_ext.vllm.component", "sync_colocate", noop_sync,
       ("tests/test_vllm.py::test_sync_takes_effect_at_k0", "tests/test_vllm.py::test_two_processes",
        "tests/test_vllm.py::test_fsdp2_k0_routed_distilled")),
     M("vllm_load_k1",
@@ -182,7 +182,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
     M("push_waits_for_older_batches",
       "docs/layout.md: at k >= 1 a version is pushed into the servers once no batch still to be sampled needs an "
       "older policy, else it goes as a checkpoint",
-      "trl_ext.offpolicy.worker", "RolloutWorker._write_decision", always_write,
+      "trl_ext.offpolicy.gate", "WeightGate.write_decision", always_write,
       ("tests/test_offpolicy_push.py::test_strict_generator_behind_gets_a_checkpoint",)),
     M("push_agreed_by_every_process",
       "docs/layout.md: a version is pushed only when every trainer process may push it (they share the servers)",
@@ -212,7 +212,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
     M("inflight_version_stamp",
       "docs/offpolicy.md: every token carries the version that sampled it (in-flight updates between two decoding "
       "steps)",
-      "trl_ext.offpolicy.worker", "RolloutWorker._sample_batch", stamp_first_version,
+      "trl_ext.offpolicy.batches", "BatchSampler.sample_batch", stamp_first_version,
       ("tests/test_offpolicy_trainer.py::test_inflight_tokens_carry_their_versions_logprobs",
        "tests/test_offpolicy.py::test_non_strict_in_flight_update_mid_sequence")),
     M("vllm_inflight_version_stamp",
@@ -328,12 +328,12 @@ MECHANISMS: tuple[Mechanism, ...] = (
     M("resume_async_schedule",
       "docs/offpolicy.md: a resumed run starts an empty queue at the restored policy s, so steps s, s+1, ... use "
       "max(n - k, s): nothing generated before the checkpoint is trained on",
-      "trl_ext.offpolicy.worker", "RolloutWorker.required_version", schedule_from_step_zero,
+      "trl_ext.offpolicy.gate", "WeightGate.required_version", schedule_from_step_zero,
       ("tests/test_offpolicy_trainer.py::test_resume_regenerates_from_restored_policy",)),
     M("resume_async_prompts",
       "docs/offpolicy.md: prompts come in exactly the order TRL's sampler would give them, a resumed run's from its "
       "restored step",
-      "trl_ext.offpolicy.trainer", "OffPolicyMixin._prompt_stream", prompts_from_batch_zero,
+      "trl_ext.offpolicy.component", "OffPolicy._prompt_stream", prompts_from_batch_zero,
       ("tests/test_offpolicy_trainer.py::test_prompt_stream_follows_trl_data_order",)),
     # ---- faults and checkpoints
     M("reward_fault_guard",
@@ -344,7 +344,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
     M("numeric_fault_loss",
       "docs/getting-started.md: a NaN / inf loss or gradient norm stops the run before the optimizer applies it, "
       "after saving the last good state",
-      "trl_ext.runs.mixin", "CheckpointMixin.numeric_fault", numeric_fault_ignored,
+      "trl_ext.runs.lifecycle", "RunLifecycle.numeric_fault", numeric_fault_ignored,
       ("tests/test_resume_e2e.py::test_nan_loss_or_grad_norm_saves_last_good_state",)),
     M("atomic_checkpoint_marker",
       "docs/getting-started.md: the marker is written through a temporary file and an atomic rename",
@@ -353,7 +353,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
     M("checkpoint_marker_last",
       "docs/getting-started.md: checkpoint_complete.json is written last, after the weights, optimizer, scheduler, "
       "RNG states, trainer state and project state",
-      "trl_ext.runs.mixin", "CheckpointMixin._save_checkpoint", marker_first,
+      "trl_ext.runs.lifecycle", "RunLifecycle._save_checkpoint", marker_first,
       ("tests/test_resume_e2e.py::test_marker_is_written_last_and_never_after_a_failed_save",)),
 )
 del M

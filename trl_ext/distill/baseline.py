@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from trl.trainer.utils import pad
 
+from trl_ext.compat import tokenize_prompts, trl_tokenizer
+
 
 @torch.no_grad()
 def eval_baseline(trainer, prompts: list[str], scorers: dict[str, callable]) -> dict[str, dict[str, float]]:
@@ -18,9 +20,9 @@ def eval_baseline(trainer, prompts: list[str], scorers: dict[str, callable]) -> 
     ``--seed`` without touching the training RNG. Prints one line per side and writes
     ``{output_dir}/eval_baseline.json``."""
     policy = trainer.accelerator.unwrap_model(trainer.model)
-    ids = [torch.tensor(row, dtype=torch.long) for row in trainer._tokenize_prompts(prompts)[0]]
+    ids = [torch.tensor(row, dtype=torch.long) for row in tokenize_prompts(trainer, prompts)[0]]
     device = trainer.accelerator.device
-    prompt_ids = pad(ids, padding_value=trainer._tokenizer.pad_token_id, padding_side="left").to(device)
+    prompt_ids = pad(ids, padding_value=trl_tokenizer(trainer).pad_token_id, padding_side="left").to(device)
     prompt_mask = pad([torch.ones_like(row) for row in ids], padding_value=0, padding_side="left").to(device)
     results = {}
     was_training = policy.training
@@ -28,8 +30,8 @@ def eval_baseline(trainer, prompts: list[str], scorers: dict[str, callable]) -> 
     try:
         for side in ("student", "teacher"):
             teacher_side = side == "teacher"
-            scope = trainer.teacher_scope() if teacher_side else nullcontext(policy)
-            x, m = trainer.teacher_prompt_ids(prompt_ids, prompt_mask) if teacher_side else (prompt_ids, prompt_mask)
+            scope = trainer.components.distill.teacher_scope() if teacher_side else nullcontext(policy)
+            x, m = trainer.components.distill.teacher_prompt_ids(prompt_ids, prompt_mask) if teacher_side else (prompt_ids, prompt_mask)
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), scope as model:
                 torch.manual_seed(trainer.args.seed)
                 out = model.generate(input_ids=x, attention_mask=m, generation_config=trainer.generation_config)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from datasets import Dataset, concatenate_datasets
 
 from environments.base import SEPARATOR, Trajectory, feedback_text, no_think_rewrite
+from trl_ext.compat import trl_metrics
 from trl_ext.env.args import TRAIN_LEVELS
 from trl_ext.env.mixture import mixture_counts, mixture_order
 
@@ -258,7 +259,7 @@ def log_episodes(trainer, trajs: list[Trajectory], words: tuple[str, ...] | None
     episodes of it, ``env/<name>/{return,success,invalid_frac,turns,first_action/<word>}`` (a step without it logs
     none of these, so TRL's mean over a logging window averages the steps that had it). On several processes the
     batch is every process's episodes (gathered)."""
-    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    metrics = trl_metrics(trainer)  # of the model's mode
     episodes = [EpisodeSummary.of(t) for t in trajs]
     if trainer.accelerator.num_processes > 1:
         from accelerate.utils import gather_object

@@ -11,7 +11,7 @@ from trl_ext.sft import SFTArgs
 class Env(Feature):
     """The environments' flags (levels, turns, advantage estimators, ``--no_think_rl``), read by the trainer's episode
     loop and estimators. Under FSDP2 the synchronous episode loop plays in lockstep over the processes (TRL generates
-    from the sharded model, each forward a collective: `trl_ext.env.trainer`); the off-policy generator plays on its
+    from the sharded model, each forward a collective: `trl_ext.env.component`); the off-policy generator plays on its
     plain copy. Not under DeepSpeed: not run there."""
 
     what = "environments"

@@ -9,6 +9,7 @@ from torch import nn
 
 from trl_ext.generation.hf_sampler import HFSampler
 from trl_ext.generation.sampler import FastSampler
+from trl_ext.interfaces import ModelSampler
 
 SAMPLERS = {"trl": HFSampler, "fast": FastSampler}
 """``--generation_backend`` -> the sampler class of the off-policy generator thread."""
@@ -17,8 +18,9 @@ DESCRIPTIONS = {"trl": "transformers model forward with a DynamicCache (trl_ext.
 """One line per backend, announced in train.log by the off-policy trainer."""
 
 
-def make_sampler(backend: str, model: nn.Module) -> HFSampler | FastSampler:
-    """The sampler named ``backend`` over ``model``; ValueError for an unknown name or a model it cannot sample."""
+def make_sampler(backend: str, model: nn.Module) -> ModelSampler:
+    """The sampler named ``backend`` over ``model`` (a ``trl_ext.interfaces.ModelSampler``); ValueError for an
+    unknown name or a model it cannot sample."""
     if backend not in SAMPLERS:
         raise ValueError(f"unknown generation backend {backend!r}; backends: {', '.join(SAMPLERS)}")
     return SAMPLERS[backend](model)

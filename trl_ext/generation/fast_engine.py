@@ -1,5 +1,5 @@
 """Registration of the fast sampler (`trl_ext.parts.GENERATION_SOURCES` "fast": ``--generation_backend fast``;
-`trl_ext.generation.sampler.FastSampler`, hooked into TRL's generation by `trl_ext.generation.trainer`)."""
+`trl_ext.generation.sampler.FastSampler`, hooked into TRL's generation by `trl_ext.generation.component`)."""
 
 from __future__ import annotations
 

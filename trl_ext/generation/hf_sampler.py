@@ -1,6 +1,7 @@
 """Sampler on transformers' own model forward: any Hugging Face causal LM (GPT-2, GPT-NeoX, Phi-3, OLMo 2, Gemma, ...,
 PEFT and dual-LoRA wrappers included). The asynchronous generator's sampler under ``--generation_backend trl``; the
-interface is `FastSampler`'s (``sample(prompt_ids, params, rng, before_step) -> Sampled``).
+interface is ``trl_ext.interfaces.ModelSampler`` (``sample(prompt_ids, params, rng, before_step) -> Sampled``), as
+`FastSampler`'s.
 
 The loop is the one of transformers' ``GenerationMixin._sample`` reduced to what the generator needs: a prefill of the
 left-padded prompts, then one forward of the sampled tokens per step with a ``DynamicCache``
@@ -33,8 +34,8 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from trl.trainer.utils import pad
 
-from trl_ext.generation.sampler import Sampled, SamplingParams
 from trl_ext.generation.sampling import completions_from_steps, finish_step, sample_step
+from trl_ext.interfaces import Sampled, SamplingParams
 
 
 def _base_model(model: nn.Module) -> nn.Module:
@@ -63,7 +64,10 @@ def stop_table(stop_sequences: tuple[tuple[int, ...], ...], device: torch.device
 
 
 class HFSampler:
-    """Samples completions from ``model`` through its own forward (its weights as they are at each step)."""
+    """Samples completions from ``model`` through its own forward (its weights as they are at each step): a
+    ``trl_ext.interfaces.ModelSampler``."""
+
+    loads_versions = False  # a new version is written into ``model``
 
     def __init__(self, model: nn.Module) -> None:
         base = _base_model(model)

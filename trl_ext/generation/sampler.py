@@ -20,7 +20,6 @@ the policy that the trainer scores. Sliding windows count positions of the padde
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -30,45 +29,10 @@ from trl_ext.generation.families import FAMILIES, fast_backend_refusal
 from trl_ext.generation.layers import DecodePlan, decode_layers, logits_of, prefill_masks, rope_tables, window_mask
 from trl_ext.generation.sampling import completions_from_steps, finish_step, sample_step
 from trl_ext.generation.weights import DecodeWeights, check_generation_safe
+from trl_ext.interfaces import Sampled, SamplingParams  # re-exported: serve/engine.py, generation/component.py, bench/
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 __all__ = ["FastSampler", "Sampled", "SamplingParams", "decoder_of", "fast_backend_refusal", "SUPPORTED_MODEL_TYPES"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample; filled from the trainer's GRPOConfig (no defaults here)."""
-
-    max_new_tokens: int
-    temperature: float
-    top_k: int  # 0 = off
-    top_p: float  # 1.0 = off
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int
-    stop_sequences: tuple[tuple[int, ...], ...] = ()
-    """Token sequences that end a row like EOS (their last token is the row's last), e.g. an environment answer's
-    closing tag: sampling past it would only produce tokens that the episode loop cuts off."""
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={self.top_k}, top_p={self.top_p}")
-        if not self.eos_token_ids:
-            raise ValueError("eos_token_ids must not be empty")
-        if any(len(seq) == 0 for seq in self.stop_sequences):
-            raise ValueError("stop sequences must not be empty")
-
-
-@dataclass
-class Sampled:
-    """Per sequence: the completion token ids (up to and including EOS), their behaviour log-probs and versions."""
-
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]
-    versions: list[list[int]]
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -87,7 +51,10 @@ def decoder_of(model: nn.Module) -> nn.Module:
 
 
 class FastSampler:
-    """Samples completions from ``model`` (its weights as they are at each call: no copy is taken)."""
+    """Samples completions from ``model`` (its weights as they are at each call: no copy is taken): a
+    ``trl_ext.interfaces.ModelSampler``."""
+
+    loads_versions = False  # a new version is written into ``model``
 
     def __init__(self, model: nn.Module, cuda_graphs: bool = True) -> None:
         self.model = model

@@ -14,8 +14,8 @@ A launch that asked for FSDP or DeepSpeed and got anything else is a ConfigError
 first step: never an unsharded run under a sharded run's name. train.log's header and run_config.yaml's ``launch``
 section name it (`trl_ext.runs.rundir.LaunchHeader`).
 
-`ShardingMixin` holds the two trainer hooks (`ExtGRPOTrainer` and SFT mode's trainer inherit it through
-`trl_ext.runs.mixin.CheckpointMixin`).
+The two trainer hooks that call these are `trl_ext.runs.lifecycle.RunLifecycle`'s (every trainer of a run inherits
+it).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def use_fsdp_on_cpu(trainer) -> bool:
     ``ACCELERATE_USE_FSDP``): accelerate's state set to FSDP with the plugin the Trainer built from its arguments,
     mixed precision set on it as accelerate sets it on GPUs, and the Trainer's ``is_fsdp_enabled``. True when it
     changed the state; False elsewhere (GPUs, one process, no FSDP asked for)."""
-    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from trl_ext.compat import record_distributed_type
 
     state = trainer.accelerator.state
     if state.distributed_type != DistributedType.MULTI_CPU or sharded_training(trainer.args) != "FSDP":
@@ -43,7 +44,7 @@ def use_fsdp_on_cpu(trainer) -> bool:
         plugin.set_mixed_precision(state.mixed_precision)
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState.__init__ records it
+    record_distributed_type(DistributedType.FSDP)  # as AcceleratorState.__init__ records it
     trainer.is_fsdp_enabled = True
     return True
 
@@ -115,22 +116,3 @@ def init_fsdp2_now(model) -> None:
 
     if isinstance(model, FSDPModule):
         model._get_fsdp_state()._lazy_init()
-
-
-class ShardingMixin:
-    """Trainer hooks: FSDP on CPU processes (`use_fsdp_on_cpu`, when the Accelerator is built) and the parallelism in
-    effect (``self.parallelism``, read and checked once the Trainer has prepared the model for training)."""
-
-    parallelism: Parallelism | None = None
-
-    def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
-        use_fsdp_on_cpu(self)
-
-    def _prepare_for_training(self, *args, **kwargs):
-        model, dataloader = super()._prepare_for_training(*args, **kwargs)
-        self.parallelism = read_parallelism(model, self.accelerator.num_processes)
-        check_parallelism(self.args, self.parallelism)
-        if self.parallelism.kind == "FSDP2":
-            init_fsdp2_now(model)
-        return model, dataloader

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from trl_ext.compat import no_split_modules
 from trl_ext.registry import ConfigError
 
 LINEAR_TYPES = (nn.Linear, Conv1D)
@@ -42,7 +43,7 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     n = getattr(model.config, "num_hidden_layers", None)
     found = [(path, m) for path, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n
              and len({type(b) for b in m}) == 1]
-    named = [(p, m) for p, m in found if type(m[0]).__name__ in set(getattr(model, "_no_split_modules", None) or ())]
+    named = [(p, m) for p, m in found if type(m[0]).__name__ in no_split_modules(model)]
     found = named or found
     if len(found) != 1:
         raise ValueError(f"{type(model).__name__} ({model.config.model_type}): expected one ModuleList of "

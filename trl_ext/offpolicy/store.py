@@ -1,6 +1,6 @@
 """The policy versions the trainer publishes to the off-policy generator (`PolicyStore`): which exist, and the weight
 snapshots of those the generator has yet to load (``trl_ext.offpolicy.worker.RolloutWorker.publish`` decides when a
-version needs one)."""
+version needs one, ``trl_ext.offpolicy.gate.WeightGate``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+
+from trl_ext.interfaces import EnginePublisher
 
 
 def trainable_snapshot(model: nn.Module) -> dict[str, Tensor]:
@@ -30,11 +32,23 @@ class Closed(Exception):
 
 
 class PolicyStore:
-    """The published policy versions, and the snapshots of those the generator has yet to load. ``snapshot(version,
-    model)`` makes one: by default the trainable parameters' copies (`trainable_snapshot`), which the generator copies
-    into its model; with a vLLM engine a checkpoint directory (``trl_ext.vllm.publish.CheckpointPublisher``), which
-    its sampler loads. A version written straight into the generator's model (`RolloutWorker.publish`) is recorded
-    with `written` and has no snapshot."""
+    """The published policy versions, and the snapshots of those the generator has yet to load: a
+    ``trl_ext.interfaces.Publisher``. ``snapshot(version, model)`` makes one: by default the trainable parameters'
+    copies (`trainable_snapshot`), which the generator copies into its model; with a vLLM engine (`of`) the engine
+    publisher's snapshot, a checkpoint directory (``trl_ext.vllm.publish.CheckpointPublisher``), which its sampler
+    loads. A version written straight into the generator's model (`RolloutWorker.publish`) is recorded with `written`
+    and has no snapshot."""
+
+    @classmethod
+    def of(cls, publisher: EnginePublisher) -> PolicyStore:
+        """A store whose snapshot of a version is ``publisher``'s: it publishes the version (a collective), then
+        keeps ``publisher.snapshot(version)``."""
+
+        def snapshot(version: int, model: nn.Module):
+            publisher.publish(version, model)
+            return publisher.snapshot(version)
+
+        return cls(snapshot)
 
     def __init__(self, snapshot: Callable[[int, nn.Module], object] | None = None) -> None:
         self._snapshot = snapshot or (lambda version, model: trainable_snapshot(model))
@@ -46,6 +60,9 @@ class PolicyStore:
     def publish(self, version: int, model: nn.Module) -> None:
         """Version ``version`` of ``model`` kept as a snapshot until the generator takes it."""
         snapshot = self._snapshot(version, model)
+        if snapshot is None:  # e.g. a Publisher's publish (it returns None): the store is built with `of`
+            raise TypeError(f"the snapshot of policy version {version} is None: build the store over an engine's "
+                            "publisher with PolicyStore.of(publisher)")  # fmt: skip
         with self._cond:
             self._check_order(version)
             self._snapshots[version] = snapshot

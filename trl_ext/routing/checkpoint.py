@@ -29,17 +29,14 @@ def apply_layout(model: nn.Module, layout: DualLoRALayout) -> DualLoRALayout:
 def saved_to_model_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` as ``save_pretrained`` wrote it, keyed by ``model``'s parameter names: transformers 5 saves some
     families under their hub names (GPT-NeoX's ``lm_head`` as ``embed_out``: the reverse of its checkpoint conversion
-    mapping) and renames them back in ``from_pretrained`` (``core_model_loading.rename_source_key``), as here. A key
+    mapping) and renames them back in ``from_pretrained`` (`trl_ext.compat.saved_key_renamer`), as here. A key
     that needs a tensor conversion (not a renaming) raises."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from trl_ext.compat import saved_key_renamer
 
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    rename = saved_key_renamer(model)
     out = {}
     for key, tensor in state.items():
-        renamed, converter = rename_source_key(key, renamings, converters)
+        renamed, converter = rename(key)
         if converter is not None:
             raise ValueError(f"checkpoint key {key!r} needs transformers' weight conversion {converter!r}: dual "
                              "adapter checkpoints of this family cannot be reloaded")

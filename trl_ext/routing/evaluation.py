@@ -91,8 +91,11 @@ def eval_generation_config(trainer):
         return config
     from transformers import GenerationConfig
 
+    from trl_ext.compat import trl_tokenizer
+
+    tok = trl_tokenizer(trainer)
     kwargs = {"max_new_tokens": trainer.max_completion_length, "do_sample": True,
-              "pad_token_id": trainer._tokenizer.pad_token_id, "bos_token_id": trainer._tokenizer.bos_token_id,
+              "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
               "eos_token_id": trainer.eos_token_ids, "temperature": trainer.temperature, "top_p": trainer.top_p,
               "top_k": trainer.top_k, "min_p": trainer.min_p, "repetition_penalty": trainer.repetition_penalty,
               "cache_implementation": trainer.args.cache_implementation,

@@ -1,5 +1,5 @@
 """Building a run's routing pieces before the trainer exists: the dual-adapter model (`build_dual_lora_model`) and
-the RoutingMixin keyword arguments of a validated train.py run (`routing_setup`: detector, base reward, routing-eval
+the routing component's keyword arguments of a validated train.py run (`routing_setup`: detector, base reward, routing-eval
 prompts and rewards)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def build_dual_lora_model(model_path: str, cfg, alpha: float, targets: tuple[str
 def routing_setup(
     run, cfg, reward_config, model_path: str, tokenizer, prompt_source: str, eval_data=None
 ) -> tuple[str | nn.Module, dict]:
-    """(model for GRPOTrainer, RoutingMixin keyword arguments) of a validated run; ``prompt_source`` is the
+    """(model for GRPOTrainer, the routing component's keyword arguments) of a validated run; ``prompt_source`` is the
     ``load_prompts`` source of the training prompts, whose split "test" feeds the routing eval; a --dataset run's
     routing eval takes the first --eval_routing_prompts rows of ``eval_data`` (--eval_dataset's
     `trl_ext.data.PromptData`; text prompts, enough rows: checked at parse time by `trl_ext.data.load_run_data`),

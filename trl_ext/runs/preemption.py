@@ -6,7 +6,7 @@ with a complete checkpoint of the current step and exit 0, so that ``--resume_fr
   mid-write, and a second SIGTERM while the checkpoint is being saved changes nothing (the save finishes).
 - `PreemptionCallback.on_step_end` (an HF ``TrainerCallback``) looks at the flag at every optimizer-step boundary and,
   once it is set, asks HF's loop for a save and a stop (``control.should_save`` / ``control.should_training_stop``):
-  HF's ``_maybe_log_save_evaluate`` then writes ``checkpoint-N`` through `runs.mixin.CheckpointMixin` (its marker
+  HF's ``_maybe_log_save_evaluate`` then writes ``checkpoint-N`` through `runs.lifecycle.RunLifecycle` (its marker
   last, as every checkpoint) and the loop ends normally (an off-policy run's generator thread is stopped by
   ``OffPolicyMixin.train``'s ``finally``).
 - Several processes: the flag is per process (a rank may receive the signal a step later than another, or not at

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from trl_ext.compat import is_store_false, option_actions, parser_actions
 from trl_ext.registry import ConfigError
 
 RECIPE_FLAG = "--recipe"
@@ -87,7 +88,7 @@ def load_recipe(path: Path) -> Recipe:
 
 def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Every long option of ``parser`` without its dashes (``lr``, ``learning_rate``, ``learning-rate``) -> action."""
-    return {o[2:]: a for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    return {o[2:]: a for a in parser_actions(parser) for o in a.option_strings if o.startswith("--")}
 
 
 def recipe_argv(recipe: Recipe, parser: argparse.ArgumentParser) -> list[str]:
@@ -100,7 +101,7 @@ def recipe_argv(recipe: Recipe, parser: argparse.ArgumentParser) -> list[str]:
         if action is None or action.dest == "help":
             hint = " (write a section's flags at the top level)" if isinstance(value, dict) else ""
             raise ConfigError(f"{where} is not a train.py flag{hint}; see train.py --help")
-        if isinstance(action, argparse._StoreFalseAction):  # --no_X: give X: false instead
+        if is_store_false(action):  # --no_X: give X: false instead
             raise ConfigError(f"{where}: set {action.dest} to false instead")
         out += [f"--{name}", *_values(where, action, value)]
     return out
@@ -142,7 +143,7 @@ def given_flags(argv: list[str], parser: argparse.ArgumentParser) -> dict:
     """The flags ``argv`` gives ({dest: value as parsed}), less `NOT_RECORDED`: run_config.yaml's ``flags``. The
     options are matched whole (train.py's parser takes no abbreviations)."""
     namespace, _ = parser.parse_known_args(argv)
-    actions = parser._option_string_actions
+    actions = option_actions(parser)
     given = {actions[a.split("=", 1)[0]].dest for a in argv if a.startswith("--") and a.split("=", 1)[0] in actions}
     return {k: _plain(getattr(namespace, k)) for k in sorted(given, key=list(vars(namespace)).index)
             if k not in NOT_RECORDED}

@@ -128,7 +128,7 @@ class LaunchHeader(TrainerCallback):
     """train.log's launch line (processes, the parallelism in effect, the global batch: `describe_launch`) once the
     Trainer has prepared the model, on the main process; on several processes the parallelism also goes into
     run_config.yaml's ``launch`` section (``parallelism``: a description, not compared on resume), before the first
-    checkpoint copies the file. Read from ``trainer.parallelism`` (`trl_ext.launch.fsdp.ShardingMixin`)."""
+    checkpoint copies the file. Read from ``trainer.parallelism`` (`trl_ext.runs.lifecycle.RunLifecycle`)."""
 
     def __init__(self, plan, trainer):
         self.plan, self.trainer = plan, trainer

@@ -120,15 +120,15 @@ class ServerGeneration:
     (TRL's sampler has repeated each prompt already), each row seeded from (seed, process, step, call within the step),
     so a resumed run draws the seeds the uninterrupted one did."""
 
-    def __init__(self, trainer, sampler, publisher) -> None:
-        self.trainer, self.sampler, self.publisher = trainer, sampler, publisher
+    def __init__(self, trainer, sampler, publisher, params) -> None:
+        self.trainer, self.sampler, self.publisher, self._params = trainer, sampler, publisher, params
         self._calls = (None, 0)  # (version, generate calls at that version): seeds that a resumed run repeats
-        self._params = None  # the trainer's sampling settings, read at the first generation
 
     def sync_weights(self) -> None:
         t = self.trainer
         version = t.state.global_step
-        self.sampler.stage(version, self.publisher.publish(version, t.accelerator.unwrap_model(t.model)))
+        self.publisher.publish(version, t.accelerator.unwrap_model(t.model))
+        self.sampler.stage(version, self.publisher.snapshot(version))
 
     def generate(self, prompts, images=None, num_generations=1, profiler=None):
         from contextlib import nullcontext
@@ -140,7 +140,6 @@ class ServerGeneration:
         call = self._calls[1] if self._calls[0] == version else 0
         self._calls = (version, call + 1)
         rng = torch.Generator().manual_seed(hash((t.args.seed, t.accelerator.process_index, version, call)) % 2**63)
-        self._params = self._params or t.rollout_sampling_params()
         with profiler or nullcontext():
             out = self.sampler.sample([list(p) for p in prompts], self._params, rng, before_step=lambda _: version)
         return prompts, out.completion_ids, [[[lp] for lp in row] for row in out.logprobs], None

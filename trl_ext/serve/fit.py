@@ -201,7 +201,7 @@ class ServerPart:
 class TrainerPart:
     """The torchrun trainer: one process per device. ``reference_copy``: beta > 0 (TRL's reference model; none under
     LoRA: the adapter-disabled model is the reference). ``teacher_shape``: an in-process --teacher_model (unsharded,
-    in the policy's dtype: trl_ext.distill.trainer). ``weights_dtype``: what the model is loaded in (TRL's and
+    in the policy's dtype: trl_ext.distill.component). ``weights_dtype``: what the model is loaded in (TRL's and
     train.py's default float32); ``compute_dtype``: the forward's (bfloat16 under --bf16; None: ``weights_dtype``).
     ``seq_len``: prompt + completion tokens of a row; ``completion_len``: the tokens scored (TRL's
     ``logits_to_keep``; None: ``seq_len``)."""

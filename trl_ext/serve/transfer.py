@@ -1,15 +1,15 @@
 """Weights pushed into the policy's servers (``--vllm_weight_transfer nccl|gloo``) with vLLM's weight-transfer engines
 (``vllm.distributed.weight_transfer``), instead of a checkpoint each server reloads (``files``).
 
-`WeightPusher.publish(version, model)` is `trl_ext.vllm.publish.CheckpointPublisher`'s interface: every trainer
-process calls it (a collective under FSDP2: each tensor is gathered from its shards, `PolicySource`); process 0
-broadcasts the merged weights (``trl_ext.vllm.weights.merged_weights``) to every worker of every replica through
-vLLM's trainer engine (``WeightTransferTrainerFactory``; the ``gloo`` one is ``trl_ext.serve.gloo_engine``), one
-group per replica. The control plane is the version gate's narrow routes (`GateClient` to
-``trl_ext.serve.endpoint``): the server takes the push once no request runs, and answers requests of that version
-only after it has loaded every tensor. A push holds one version on the server: at k >= 1 the off-policy generator
-(``trl_ext.offpolicy.worker.RolloutWorker.publish``) pushes a version only once no batch still to be sampled, on any
-process, needs an older one; otherwise that version goes as a checkpoint.
+`WeightPusher` is a ``trl_ext.interfaces.EnginePublisher``, as ``trl_ext.vllm.publish.CheckpointPublisher``: every
+trainer process calls its ``publish(version, model)`` (a collective under FSDP2: each tensor is gathered from its
+shards, `PolicySource`); process 0 broadcasts the merged weights (``trl_ext.vllm.weights.merged_weights``) to every
+worker of every replica through vLLM's trainer engine (``WeightTransferTrainerFactory``; the ``gloo`` one is
+``trl_ext.serve.gloo_engine``), one group per replica. The control plane is the version gate's narrow routes
+(`GateClient` to ``trl_ext.serve.endpoint``): the server takes the push once no request runs, and answers requests of
+that version only after it has loaded every tensor. A push holds one version on the server: at k >= 1 the off-policy
+generator (``trl_ext.offpolicy.worker.RolloutWorker.publish``) pushes a version only once no batch still to be
+sampled, on any process, needs an older one; otherwise that version goes as a checkpoint.
 
 - One pass per publish, whatever the number of replicas: the round of vLLM's
   ``NCCLTrainerWeightTransferEngine.send_weights`` (``nccl_engine.py``: ``start_weight_update``, then
@@ -202,7 +202,8 @@ class _Works:
 
 
 class WeightPusher:
-    """Pushes each published version into every replica (module docstring). ``backend``: ``nccl`` or ``gloo``;
+    """Pushes each published version into every replica (module docstring): a ``trl_ext.interfaces.EnginePublisher``
+    whose `snapshot` is None (a pushed version is in the servers' weights). ``backend``: ``nccl`` or ``gloo``;
     ``address``: where the replicas reach this run's process 0; ``infos``: each replica's ``/v1/trl_ext/info``;
     ``timeout_s``: the bound of a group's join and of a publish's transfer (``--vllm_request_timeout``)."""
 
@@ -302,6 +303,10 @@ class WeightPusher:
         for client in self.clients:
             client.finish_weight_update()
         self.pushes += 1
+
+    def snapshot(self, version: int) -> None:
+        """Nothing to stage for a pushed ``version``: the servers hold it once `publish` returns."""
+        return None
 
     def close(self) -> None:
         for engine in self.engines:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from trl_ext.generation.sampler import Sampled, SamplingParams
+from trl_ext.interfaces import Sampled, SamplingParams
 from trl_ext.vllm.placement import cpu_scheduler
 
 CPU_KVCACHE_GIB = 1
@@ -109,22 +109,26 @@ def _cut_at_stop(ids: list[int], stops: tuple[tuple[int, ...], ...]) -> int | No
 
 
 class VLLMSampler:
-    """The off-policy generator's sampler (``sample(prompt_ids, params, rng, before_step) -> Sampled``) over a
-    `VLLMEngine`. The generator `stage`s each policy version it loads (its checkpoint directory,
-    ``trl_ext.vllm.publish``); when ``before_step`` reports a version other than the engine's, the staged checkpoint
-    is loaded into the engine. ``inflight_tokens`` None decodes each row in one call (strict mode: the version cannot
-    change within a batch); otherwise in chunks of that many tokens."""
+    """The off-policy generator's sampler over a `VLLMEngine` (or the servers' ``trl_ext.serve.engine.ServerEngine``):
+    a ``trl_ext.interfaces.VersionedSampler``. The generator `stage`s each policy version it loads (its checkpoint
+    directory, ``trl_ext.vllm.publish``; None for a version pushed into the servers); when ``before_step`` reports a
+    version other than the engine's, the staged checkpoint is loaded into the engine. ``inflight_tokens`` None decodes
+    each row in one call (strict mode: the version cannot change within a batch); otherwise in chunks of that many
+    tokens."""
+
+    loads_versions = True  # it loads each staged version itself
 
     def __init__(self, engine: VLLMEngine, inflight_tokens: int | None) -> None:
         if inflight_tokens is not None and inflight_tokens < 1:
             raise ValueError(f"inflight_tokens must be >= 1, got {inflight_tokens}")
         self.engine, self.inflight_tokens = engine, inflight_tokens
         self.engine_version: int | None = None
-        self._staged: tuple[int, str] | None = None
+        self._staged: tuple[int, str | None] | None = None
 
-    def stage(self, version: int, directory: str) -> None:
-        """The checkpoint of ``version``, the one the generator now samples with (loaded at the next `_sync`)."""
-        self._staged = (version, directory)
+    def stage(self, version: int, snapshot: str | None) -> None:
+        """The checkpoint directory of ``version`` (None: pushed), the one the generator now samples with (loaded at
+        the next `_sync`)."""
+        self._staged = (version, snapshot)
 
     def _sync(self, version: int) -> None:
         if version == self.engine_version:

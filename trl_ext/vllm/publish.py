@@ -85,9 +85,10 @@ def weights_root(nbytes: int, copies: int) -> tuple[str, str]:
 
 
 class CheckpointPublisher:
-    """``publish(version, model) -> directory``: version ``version`` written as a checkpoint (`write_checkpoint`) by
-    the node's main process, every process waiting until it is complete; older versions no generator can need are
-    deleted (module docstring). ``accelerator`` gives the processes; ``max_async_level`` the versions kept."""
+    """A ``trl_ext.interfaces.EnginePublisher``: `publish` writes version ``version`` as a checkpoint
+    (`write_checkpoint`) by the node's main process, every process waiting until it is complete, and deletes the older
+    versions no generator can need (module docstring); `snapshot` is a published version's directory, which an
+    engine's sampler loads. ``accelerator`` gives the processes; ``max_async_level`` the versions kept."""
 
     def __init__(self, accelerator, max_async_level: int, nbytes: int, bucket_bytes: int = BUCKET_BYTES,
                  root: str | None = None) -> None:  # fmt: skip
@@ -108,7 +109,7 @@ class CheckpointPublisher:
         self.root = os.path.join(root, f"trl_ext_vllm_{token[0]}")
         self.versions: dict[int, str] = {}
 
-    def publish(self, version: int, model: nn.Module) -> str:
+    def publish(self, version: int, model: nn.Module) -> None:
         directory = os.path.join(self.root, f"v{version:08d}")
         write_checkpoint(model, directory, self.writer, self.bucket_bytes)
         self.accelerator.wait_for_everyone()  # the files are complete before any engine reads them
@@ -117,7 +118,12 @@ class CheckpointPublisher:
             if self.writer:
                 shutil.rmtree(self.versions[old], ignore_errors=True)
             del self.versions[old]
-        return directory
+
+    def snapshot(self, version: int) -> str:
+        """The checkpoint directory of published ``version`` (KeyError once it is deleted, or never published)."""
+        if version not in self.versions:
+            raise KeyError(f"policy version {version} has no checkpoint (kept: {sorted(self.versions)})")
+        return self.versions[version]
 
     def close(self) -> None:
         """Delete every checkpoint (the generator has stopped)."""

@@ -1,5 +1,5 @@
 """Registration of vLLM generation (`trl_ext.parts.GENERATION_SOURCES` "vllm": TRL's ``--use_vllm``), synchronous
-(TRL's colocate engine with the project's weight sync, ``trl_ext.vllm.trainer``) or as the off-policy generator's
+(TRL's colocate engine with the project's weight sync, ``trl_ext.vllm.component``) or as the off-policy generator's
 engine (``--max_async_level >= 1``, ``trl_ext.vllm.engine``)."""
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
-"""Trainer plumbing of the run lifecycle, for any HF ``Trainer`` subclass (GRPO and SFT alike).
+"""The run lifecycle of every trainer of a run (`RunLifecycle`: GRPO and SFT alike), the only override of its hooks.
 
 - ``_save_checkpoint``: HF's checkpoint, then the project's state (``trl_ext_state.json``: what HF does not save, e.g.
-  the zero-signal monitor), a copy of ``run_config.yaml``, and last the completion marker (`checkpoints.mark_complete`).
-- ``train(resume_from_checkpoint=...)``: restores the project's state, then HF restores weights, optimizer,
-  scheduler, RNG states and trainer state and skips the batches already trained.
-- Numeric faults: a NaN/inf loss or gradient norm stops the run before the optimizer applies it; the last good state
-  (the weights and optimizer after the previous step) is saved as a checkpoint first, its marker naming the fault.
-- Sharding (inherited from `trl_ext.launch.fsdp.ShardingMixin`): FSDP on CPU processes, and the parallelism in effect
-  read from the prepared model (``self.parallelism``), a ConfigError when a requested sharding is not in effect.
+  the zero-signal monitor and the components' state), a copy of ``run_config.yaml``, and last the completion marker
+  (`checkpoints.mark_complete`).
+- resume (`restore_run_state`, called by the trainer's ``train``): restores the project's state, then HF restores
+  weights, optimizer, scheduler, RNG states and trainer state and skips the batches already trained.
+- Numeric faults (`check_loss`, called by the trainer's ``training_step``, and ``_get_grad_norm``): a NaN/inf loss or
+  gradient norm stops the run before the optimizer applies it; the last good state (the weights and optimizer after
+  the previous step) is saved as a checkpoint first, its marker naming the fault.
+- Sharding: FSDP on CPU processes (``create_accelerator_and_postprocess``), and the parallelism in effect read from
+  the prepared model (``self.parallelism``, ``_prepare_for_training``), a ConfigError when a requested sharding is not
+  in effect (`trl_ext.launch.fsdp`).
 """
 
 from __future__ import annotations
@@ -19,16 +22,31 @@ from pathlib import Path
 
 import torch
 
-from trl_ext.launch.fsdp import ShardingMixin
+from trl_ext import compat
+from trl_ext.launch.fsdp import Parallelism, check_parallelism, init_fsdp2_now, read_parallelism, use_fsdp_on_cpu
 from trl_ext.runs.checkpoints import RUN_CONFIG, is_complete, mark_complete
 from trl_ext.runs.faults import NumericFault
 
 STATE_FILE = "trl_ext_state.json"
 
 
-class CheckpointMixin(ShardingMixin):
-    """Atomic checkpoints, project state across resume, and loud numeric faults (see the module docstring). Every
-    trainer of a run inherits it, so it carries `ShardingMixin`'s hooks too."""
+class RunLifecycle:
+    """Atomic checkpoints, project state across resume, loud numeric faults and sharding (module docstring). Every
+    trainer of a run inherits it; its ``train`` and ``training_step`` call `restore_run_state` and `check_loss`."""
+
+    parallelism: Parallelism | None = None
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        use_fsdp_on_cpu(self)
+
+    def _prepare_for_training(self, *args, **kwargs):
+        model, dataloader = super()._prepare_for_training(*args, **kwargs)
+        self.parallelism = read_parallelism(model, self.accelerator.num_processes)
+        check_parallelism(self.args, self.parallelism)
+        if self.parallelism.kind == "FSDP2":
+            init_fsdp2_now(model)
+        return model, dataloader
 
     def checkpoint_state(self) -> dict:
         """Project state to save with each checkpoint (JSON); subclasses extend it."""
@@ -42,21 +60,21 @@ class CheckpointMixin(ShardingMixin):
         self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are written before the marker
         if not self.args.should_save:
             return
-        ckpt = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+        ckpt = Path(compat.output_dir_of(self, trial)) / f"checkpoint-{self.state.global_step}"
         (ckpt / STATE_FILE).write_text(json.dumps(self.checkpoint_state(), indent=2))
         run_config = Path(self.args.output_dir) / RUN_CONFIG
         if run_config.is_file():
             shutil.copyfile(run_config, ckpt / RUN_CONFIG)
         mark_complete(ckpt, self.state.global_step, **({"fault": fault} if fault else {}))
 
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+    def restore_run_state(self, resume_from_checkpoint) -> None:
+        """Before HF's resume: the project's state of the checkpoint (which must be complete)."""
         if resume_from_checkpoint:
             path = Path(resume_from_checkpoint)
             if not is_complete(path):
                 raise ValueError(f"{path} is not a complete checkpoint")
             state_file = path / STATE_FILE
             self.load_checkpoint_state(json.loads(state_file.read_text()) if state_file.is_file() else {})
-        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Full-model weights as ``from_pretrained`` reads them: transformers 5 saves some families under their hub
@@ -73,7 +91,7 @@ class CheckpointMixin(ShardingMixin):
 
         state = saved_to_model_keys(model, safetensors.torch.load_file(str(safe), device="cpu"))
         result = model.load_state_dict(state, strict=False)
-        tied = set(getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or ())
+        tied = compat.tied_weights_keys(model)
         missing = [k for k in result.missing_keys if k not in tied]
         if missing or result.unexpected_keys:
             raise RuntimeError(f"{safe} does not fit the model: missing {missing[:5]}, unexpected "
@@ -82,8 +100,8 @@ class CheckpointMixin(ShardingMixin):
             model.tie_weights()
 
     # ------------------------------------------------------------------ numeric faults
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """A `numeric_fault` on every process when the step's loss is not finite on one."""
         local_ok = bool(torch.isfinite(loss.detach()).all())
         where = ""
         if self.accelerator.num_processes > 1:  # every rank stops together (a rank alone would hang the others)
@@ -93,7 +111,6 @@ class CheckpointMixin(ShardingMixin):
             local_ok = all_ok
         if not local_ok:
             self.numeric_fault(f"loss is {loss.detach().float().mean().item()}{where}")
-        return loss
 
     def _get_grad_norm(self, model, grad_norm=None):
         norm = super()._get_grad_norm(model, grad_norm)
@@ -105,7 +122,7 @@ class CheckpointMixin(ShardingMixin):
     def numeric_fault(self, what: str) -> None:
         """Save the last good state (unless a complete checkpoint of it exists) and raise NumericFault."""
         step = self.state.global_step
-        ckpt = Path(self._get_output_dir(trial=None)) / f"checkpoint-{step}"
+        ckpt = Path(compat.output_dir_of(self)) / f"checkpoint-{step}"
         if not is_complete(ckpt):
             self._save_checkpoint(self.model, None, fault=f"step {step + 1}: {what}")
         raise NumericFault(f"step {step + 1}: the {what}; training stopped before the optimizer applied it. The last "
