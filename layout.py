@@ -12,7 +12,7 @@ import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from trl_ext.serve.launch import main  # noqa: E402
+from trl_ext.serve.layout import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

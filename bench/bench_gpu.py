@@ -29,7 +29,8 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trl_ext.generation.sampler import FastSampler, SamplingParams  # noqa: E402
+from trl_ext.generation.fast import FastSampler  # noqa: E402
+from trl_ext.interfaces import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 64
 

@@ -58,10 +58,11 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from environments.stories import load_prompts
-    from trl_ext.generation.sampler import SamplingParams
+    from trl_ext.interfaces import SamplingParams
     from trl_ext.models import load_tokenizer, model_source, prepare_tokenizer
-    from trl_ext.vllm.engine import VLLMEngine, VLLMSampler
+    from trl_ext.vllm.engine import VLLMEngine
     from trl_ext.vllm.publish import write_checkpoint
+    from trl_ext.vllm.sampler import VLLMSampler
 
     lengths, chunks, reload_chunks = ints(a.lengths), ints(a.chunks), ints(a.reload_chunks)
     if max(lengths) + a.prompt_length > a.max_model_len:

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from environments.stories import load_prompts  # noqa: E402
 from trl_ext.generation.backends import SAMPLERS  # noqa: E402
-from trl_ext.generation.sampler import SamplingParams  # noqa: E402
+from trl_ext.interfaces import SamplingParams  # noqa: E402
 from trl_ext.models import load_tokenizer, model_source, prepare_tokenizer  # noqa: E402
 
 

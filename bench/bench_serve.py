@@ -86,12 +86,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from environments.stories import load_prompts
-    from trl_ext.generation.sampler import SamplingParams
+    from trl_ext.interfaces import SamplingParams
     from trl_ext.models import load_tokenizer, model_source, prepare_tokenizer
     from trl_ext.serve.client import Replica
     from trl_ext.serve.engine import ServerEngine
-    from trl_ext.vllm.engine import VLLMEngine, VLLMSampler
+    from trl_ext.vllm.engine import VLLMEngine
     from trl_ext.vllm.publish import write_checkpoint
+    from trl_ext.vllm.sampler import VLLMSampler
 
     source = str(model_source("builtin"))
     tok = prepare_tokenizer(load_tokenizer(source))

@@ -45,7 +45,8 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from environments.stories import load_prompts
-    from trl_ext.generation.sampler import FastSampler, SamplingParams
+    from trl_ext.generation.fast import FastSampler
+    from trl_ext.interfaces import SamplingParams
     from trl_ext.models import load_tokenizer, model_source, prepare_tokenizer
     from trl_ext.vllm.engine import VLLMEngine
 

@@ -67,7 +67,7 @@ class PolicyEval(TrainerCallback):
     """Reward of the trained policy (not of the lagged batch) at fixed steps, on held-out prompts."""
 
     def __init__(self, prompt_ids, reward, tokenizer, eos_ids, max_new_tokens, marks):
-        from trl_ext.offpolicy.worker import SamplingParams
+        from trl_ext.interfaces import SamplingParams
 
         self.prompt_ids, self.reward, self.tokenizer, self.marks = prompt_ids * EVAL_SAMPLES, reward, tokenizer, marks
         self.params = SamplingParams(max_new_tokens, 1.0, 0, 1.0, tuple(eos_ids), tokenizer.pad_token_id)

@@ -71,9 +71,9 @@ def test_dual_adapter_checkpoints_round_trip(family, adapter, tmp_path):
     the base model, and full and adapter-only checkpoints rebuild it exactly."""
     from transformers import AutoModelForCausalLM
 
+    from trl_ext.routing.adapter_layout import ADAPTER_FILENAME, save_layout
     from trl_ext.routing.adapters import apply_dual_lora, forget_params, retain_params
     from trl_ext.routing.checkpoint import adapter_state, base_fingerprint, load_dual_lora_checkpoint
-    from trl_ext.routing.layout import ADAPTER_FILENAME, save_layout
     from trl_ext.routing.mlp import apply_dual_mlp
 
     base_dir = build_tiny(family, tmp_path / "base", tokenizer="builtin")

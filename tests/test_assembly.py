@@ -41,9 +41,22 @@ def test_registries_list_the_parts():
     with pytest.raises(ConfigError, match="unknown feature 'nope'; registered: distill, env"):
         FEATURES.get("nope")
     order = [p.name for p in registered()]  # the order refusals are asked in (train.py's order before registries)
-    assert order == ["routing", "lora", "rebuild_builtin", "distill", "offpolicy", "env", "env", "sft", "fast",
-                     "offpolicy", "saved_rollouts", "stories", "dataset", "eval_loop", "trl",
-                     "continuous_batching", "vllm", "serve"]  # fmt: skip
+    assert order == ["routing", "lora", "rebuild_builtin", "distill", "offpolicy", "offpolicy", "env", "env", "sft",
+                     "saved_rollouts", "stories", "dataset", "eval_loop", "fast", "trl", "continuous_batching",
+                     "vllm", "serve"]  # fmt: skip
+
+
+@pytest.mark.parametrize("launch", [Launch(), Launch(2, "WORLD_SIZE"), Launch(sharding="FSDP"),
+                                    Launch(sharding="DeepSpeed"), Launch(4, "SLURM_NTASKS", "FSDP")])  # fmt: skip
+def test_the_generator_refuses_only_where_offpolicy_training_does(launch):
+    """The off-policy generator's flag is one of off-policy training's, which is asked before it and refuses the same
+    launches: the first refusal (`check_launch`) never comes from the generator, wherever its parts stand among the
+    others (``trl_ext/offpolicy/register.py`` registers both, so the generator is asked before env, sft and fast)."""
+    feature, generator = FEATURES.get("offpolicy"), GENERATION_SOURCES.get("offpolicy")
+    assert set(generator.flag_names()) <= set(feature.flag_names())
+    order = registered()
+    assert order.index(feature) < order.index(generator)
+    assert (feature.supports(launch) is None) == (generator.supports(launch) is None)
 
 
 @pytest.mark.parametrize("launch", [Launch(), Launch(2, "WORLD_SIZE"), Launch(sharding="FSDP"),
@@ -68,7 +81,7 @@ def test_supports_answers_as_before(launch):
 @pytest.mark.parametrize("argv, prompts, generation, features", [
     ([], "stories", ["trl"], ["routing"]),
     (["--lora_rank", "4", "--save_rollouts"], "stories", ["trl"], ["routing", "lora", "saved_rollouts"]),
-    (["--generation_backend", "fast", "--max_async_level", "1"], "stories", ["fast", "offpolicy"],
+    (["--generation_backend", "fast", "--max_async_level", "1"], "stories", ["offpolicy", "fast"],
      ["routing", "offpolicy"]),
     (["--use_vllm"], "stories", ["trl", "vllm"], ["routing"]),
     (["--teacher_tau", "0.1", "--teacher_context", "x", "--lora_rank", "4"], "stories", ["trl"],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trl_ext.batch import BatchFeatures, check_batch, loss_mask
+from trl_ext.batch import BatchContext, BatchFeatures, check_batch, check_context, loss_mask
 
 
 def batch(B=2, P=3, C=4, **extra):
@@ -67,3 +67,21 @@ def test_loss_mask_is_real_agent_tokens():
     b = batch(completion_mask=torch.tensor([[1, 1, 1, 0]]), tool_mask=torch.tensor([[1, 0, 1, 1]]), B=1)
     assert loss_mask(b).tolist() == [[1, 0, 1, 0]]
     assert loss_mask(batch(B=1, completion_mask=torch.tensor([[1, 1, 0, 0]]))).tolist() == [[1, 1, 0, 0]]
+
+
+def test_batch_context_lines_up_with_the_batch():
+    """The batch context of 2 completions (4 tokens each) in a generation batch of 6 with 1 reward function."""
+    rows = [{"prompt": "a"}, {"prompt": "b"}]
+    good = BatchContext(rows, "train", trajectories=["t0", "t1"], rewards=torch.zeros(6, 1),
+                        local_rewards=torch.zeros(2, 1), teacher_logprobs=torch.zeros(2, 4), columns={"env": [1, 2]})
+    check_context(good, batch())
+    for bad, message in [
+        (BatchContext(rows[:1], "train"), "1 rows for 2 completions"),
+        (BatchContext(rows, "train", trajectories=["t0"]), "1 episodes for 2 completions"),
+        (BatchContext(rows, "train", rewards=torch.zeros(6, 1), local_rewards=torch.zeros(3, 1)), "rewards"),
+        (BatchContext(rows, "train", rewards=torch.zeros(6, 1)), "rewards"),  # the local rows are missing
+        (BatchContext(rows, "train", teacher_logprobs=torch.zeros(2, 3)), r"teacher log-probs \(2, 3\)"),
+        (BatchContext(rows, "train", columns={"env": [1]}), "'env' has 1 values for 2 samples"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_context(bad, batch())

@@ -127,6 +127,12 @@ def test_trl_hook_has_the_parameters_the_project_relies_on(name):
     assert not _hook_problems(name, compat.TRL_HOOKS[name])
 
 
+@pytest.mark.parametrize("name", sorted(compat.VLLM_HOOKS))
+def test_vllm_hook_has_the_parameters_the_project_relies_on(name):
+    pytest.importorskip("vllm")
+    assert not _hook_problems(name, compat.VLLM_HOOKS[name])
+
+
 def test_a_changed_hook_is_caught():
     owners = compat.TRL_HOOKS["_compute_loss"].owners
     assert not _hook_problems("_compute_loss", compat.Hook(owners, ("model", "inputs")))
@@ -153,13 +159,8 @@ def test_every_overridden_trl_method_is_a_hook():
 
 
 # ------------------------------------------------------------------------- the routed reaches live in compat.py
-PENDING = (
-    # The trainer refactor (issue #53, its other items) routes these files' reaches through trl_ext.compat: shorten
-    # this list as it lands, then empty it.
-    "trl_ext/offpolicy/worker.py", "trl_ext/generation/*.py",
-    "trl_ext/serve/transfer.py", "trl_ext/serve/gloo_engine.py",
-    "trl_ext/routing/adapters.py",  # outside item 3's files: compat.rename_tied_weights
-)
+PENDING = ()
+"""Files whose reaches are still to be routed through trl_ext.compat (none: keep it empty)."""
 
 ROUTED = {  # code (not comments or docstrings) -> the compat function that does it
     r"\b_shared_state\b": "record_distributed_type",
@@ -187,6 +188,10 @@ ROUTED = {  # code (not comments or docstrings) -> the compat function that does
     r"\b_llm_weights_sleeping\b|\bvllm_generation import\b[^\n]*\bempty_cache\b": "wake_colocate_weights",
     r"\._broadcast\(|\._post_send_sync\b": "send_weights",
     r"\._checked_iter\b": "checked_weights",
+    r"\._action_groups\b|\._group_actions\b|\._optionals\b": "action_groups / drop_empty_groups",
+    r"\b_non_persistent_buffers_set\b": "is_persistent_buffer",
+    r"\._get_fsdp_state\b|\._lazy_init\b": "fsdp2_lazy_init",
+    r"\._name_or_path\b": "(transformers' public config.name_or_path)",
 }
 
 

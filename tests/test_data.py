@@ -1,6 +1,6 @@
-"""Prompt datasets (``--dataset`` / ``--eval_dataset``, trl_ext/data.py): every format loads from small files written
-here, plain and conversational prompt columns, split slicing, the row cap, each parse-time error as train.py's exit 2
-(no model loaded), run names, and end to end (slow): a 2-step run on the builtin model whose reward records the
+"""Prompt datasets (``--dataset`` / ``--eval_dataset``, trl_ext/data/load.py): every format loads from small files
+written here, plain and conversational prompt columns, split slicing, the row cap, each parse-time error as train.py's
+exit 2 (no model loaded), run names, and end to end (slow): a 2-step run on the builtin model whose reward records the
 dataset columns it gets (also in TRL's eval loop), then eval_run.py on a held-out file."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 import trl_ext.cli_train as cli
-import trl_ext.data as data
+import trl_ext.data.load as data
 from trl_ext.registry import ConfigError
 
 ROWS = [{"prompt": "What is 2 plus 3?", "answer": "5"}, {"prompt": "What is 1 plus 1?", "answer": "2"},

@@ -4,15 +4,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from reference import word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import trl_ext.cli_train as cli
 from environments.base import make_env
+from trl_ext.batch import BatchContext
 from trl_ext.config import train_config
-from trl_ext.components import BatchContext
 from trl_ext.env.component import env_rollout
 from trl_ext.env.episodes import chat_env_text, cut_after_answer, env_dataset, env_reward
-from reference import word_tokenizer
 
 WORDS = ("[UNK] [EOS] < > / answer think jump left right up down reward : - 1 0 . done false true invalid "
          "p _ o g x * junk").split()  # fmt: skip

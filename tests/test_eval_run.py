@@ -15,8 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import trl_ext.evaluate as ev
 from trl_ext.registry import ConfigError
+from trl_ext.routing.adapter_layout import save_layout
 from trl_ext.routing.adapters import apply_dual_lora, dual_lora_modules
-from trl_ext.routing.layout import save_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from trl_ext.generation.sampler import FastSampler
+from trl_ext.generation.fast import FastSampler
 from trl_ext.interfaces import SamplingParams
 from trl_ext.routing.adapters import apply_dual_lora
 from reference import trainer_logprobs

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trl_ext.generation.sampler import FastSampler, decoder_of, fast_backend_refusal
+from trl_ext.generation.fast import FastSampler, decoder_of, fast_backend_refusal
 from trl_ext.interfaces import SamplingParams
 from trl_ext.models.tiny import tiny_config
 from reference import trainer_logprobs

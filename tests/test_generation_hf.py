@@ -13,8 +13,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, BertConfig, BertLMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from trl_ext.generation.backends import SAMPLERS, make_sampler
+from trl_ext.generation.fast import FastSampler
 from trl_ext.generation.hf_sampler import HFSampler
-from trl_ext.generation.sampler import FastSampler
 from trl_ext.interfaces import SamplingParams
 from trl_ext.models.tiny import FAMILIES, tiny_config
 from trl_ext.routing.adapters import apply_dual_lora

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trl_ext.env.episodes import answer_stop_sequences
-from trl_ext.generation.sampler import FastSampler
+from trl_ext.generation.fast import FastSampler
 from trl_ext.interfaces import SamplingParams
 from trl_ext.models import load_tokenizer, prepare_tokenizer
 

@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_ext.generation.backends import SAMPLERS, make_sampler
+from trl_ext.generation.fast import FastSampler
 from trl_ext.generation.hf_sampler import HFSampler
-from trl_ext.generation.sampler import FastSampler
 from trl_ext.interfaces import (
     EnginePublisher,
     ModelSampler,
@@ -25,8 +25,8 @@ from trl_ext.interfaces import (
 from trl_ext.offpolicy.store import PolicyStore
 from trl_ext.offpolicy.worker import RolloutWorker, WorkerConfig
 from trl_ext.serve.transfer import WeightPusher
-from trl_ext.vllm.engine import VLLMSampler
 from trl_ext.vllm.publish import CheckpointPublisher
+from trl_ext.vllm.sampler import VLLMSampler
 
 PARAMS = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=0, top_p=1.0, eos_token_ids=(1,), pad_token_id=1)
 

@@ -1,4 +1,4 @@
-"""layout.py before anything starts (`trl_ext.serve.plan`, `trl_ext.serve.launch`): a hub id resolved as transformers
+"""layout.py before anything starts (`trl_ext.serve.plan`, `trl_ext.serve.layout`): a hub id resolved as transformers
 resolves it, each server's GPU share and dtype, tensor parallel checked against the model, the weights directory
 sized, bad flags and every check of train.py's plan refused with exit 2 before a server starts, the model pinned to
 each process's GPU, and LoRA on a tied head refused with vLLM. No server starts here (tests/test_serve_vllm.py)."""
@@ -172,7 +172,7 @@ def test_the_weights_directory_goes_to_disk_when_dev_shm_is_small(qwen7b, monkey
     (["--plan_gpus", "8x80"], "--plan_gpus states the GPUs a dry run plans for: it needs --dry_run"),
 ])  # fmt: skip
 def test_layout_flags_refused_with_exit_2(argv, match):
-    from trl_ext.serve.launch import parse_args
+    from trl_ext.serve.layout import parse_args
 
     with pytest.raises(ConfigError, match=match):
         parse_args([*argv, "--", *TRAIN])

@@ -14,11 +14,17 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trl_ext.estimator import estimate_advantages
+from trl_ext.batch import BatchContext
 from trl_ext.distill.advantages import DistillConfig
-from trl_ext.components import BatchContext
 from trl_ext.distill.component import Distillation
-from trl_ext.offpolicy.importance import NORMALISATIONS, PRIME_RL_DEFAULTS, ImportanceConfig, importance_loss, reference_kl
+from trl_ext.estimator import estimate_advantages
+from trl_ext.offpolicy.importance import (
+    NORMALISATIONS,
+    PRIME_RL_DEFAULTS,
+    ImportanceConfig,
+    importance_loss,
+    reference_kl,
+)
 from trl_ext.routing.adapters import apply_dual_lora, forget_params, retain_params
 from trl_ext.routing.step import single_pass_backward, two_pass_backward
 
@@ -145,8 +151,8 @@ def test_the_is_batch_really_masks_and_clips():  # so the equality above covers 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from environments.stories import generate_stories
-    from trl_ext.models.builtin import train_tokenizer
     from trl_ext.models import prepare_tokenizer
+    from trl_ext.models.builtin import train_tokenizer
 
     tok = prepare_tokenizer(train_tokenizer(generate_stories(200, 0)))
     torch.manual_seed(0)

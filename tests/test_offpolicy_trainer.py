@@ -22,8 +22,9 @@ import trl_ext.cli_train as cli
 import trl_ext.offpolicy.component as opt
 from trl_ext.offpolicy.args import OffPolicyArgs
 from trl_ext.config import train_config
+from trl_ext.interfaces import SamplingParams
 from trl_ext.offpolicy.importance import NO_MASK, PRIME_RL_DEFAULTS
-from trl_ext.offpolicy.worker import SamplingParams, generation_copy, sample
+from trl_ext.offpolicy.worker import generation_copy, sample
 from trl_ext.trainer import ExtGRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -432,7 +433,7 @@ def test_prompt_stream_follows_trl_data_order(tmp_path, accumulation):
 def test_k0_is_stock_trl(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=2)
     assert trainer.components.offpolicy is None
-    assert not any(isinstance(c, opt._PublishWeights) for c in trainer.callback_handler.callbacks)
+    assert not any(isinstance(c, opt._Generator) for c in trainer.callback_handler.callbacks)
     trainer.train()
     assert trainer.components.names() == ["routing"]  # no off-policy component: TRL's own generation and loss
     assert not any(k.startswith("offpolicy/") for h in trainer.state.log_history for k in h)

@@ -12,7 +12,7 @@ from trl_ext.registry import ConfigError
 from trl_ext.routing.adapters import (
     ABLATION_SCALES, DualLoRALinear, adapters_disabled, apply_dual_lora, dual_lora_modules, forget_params, retain_params, scales, set_scales,
 )
-from trl_ext.routing.layout import LAYOUT_FILENAME, DualLoRALayout, load_layout, save_layout
+from trl_ext.routing.adapter_layout import LAYOUT_FILENAME, DualLoRALayout, load_layout, save_layout
 from trl_ext.routing.checkpoint import apply_layout
 from trl_ext.routing.step import routing_mask
 

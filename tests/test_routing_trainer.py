@@ -1,4 +1,4 @@
-"""Gradient routing in the trainer (trl_ext/routing/trainer.py, routing/evaluation.py): the real ExtGRPOTrainer on
+"""Gradient routing in the trainer (trl_ext/routing/component.py, routing/evaluation.py): the real ExtGRPOTrainer on
 a tiny random Llama with a tokenizer trained on a few stories (train.py's routing flags: test_routing_cli.py)."""
 
 import copy
@@ -11,9 +11,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 from rewards.config import as_trl_reward
 from trl_ext.config import train_config
+from trl_ext.routing.adapter_layout import load_layout
 from trl_ext.routing.adapters import DualLoRALinear, dual_lora_modules, forget_params, retain_params
 from trl_ext.routing.checkpoint import load_dual_lora_checkpoint
-from trl_ext.routing.layout import load_layout
 from trl_ext.routing.evaluation import evaluate_modes, read_records, score_completions
 from trl_ext.routing.step import routing_labels
 from trl_ext.routing.setup import build_dual_lora_model
@@ -239,7 +239,7 @@ def test_adapter_only_checkpoint_reloads_and_eval_run_loads_it(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from trl_ext.evaluate import detect_checkpoint, load_model
-    from trl_ext.routing.layout import ADAPTER_FILENAME
+    from trl_ext.routing.adapter_layout import ADAPTER_FILENAME
 
     trainer = make_trainer(tiny, tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=2,
                            save_adapter_only=True)

@@ -240,7 +240,7 @@ class _ModelReplica:
 def test_server_teacher_rows_match_the_in_process_teacher():
     from trl_ext.distill.teacher import build_teacher_inputs, teacher_logprobs
     from trl_ext.models import load_model_and_tokenizer
-    from trl_ext.serve.engine import server_teacher_logprobs
+    from trl_ext.serve.teacher import server_teacher_logprobs
 
     model, _ = load_model_and_tokenizer("builtin")
     model.eval()
@@ -426,7 +426,7 @@ def test_start_checks_refuse_a_server_that_cannot_serve_the_run(change, match):
     from transformers import AutoConfig
 
     from trl_ext.models import load_tokenizer, model_source
-    from trl_ext.serve.engine import check_replicas
+    from trl_ext.serve.client import check_replicas
 
     source = model_source("builtin")
     tok, config = load_tokenizer(source), AutoConfig.from_pretrained(source)

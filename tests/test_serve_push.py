@@ -109,7 +109,7 @@ def test_fanout_sends_each_broadcast_into_every_replica_group():
 # ---------------------------------------------------------------- the gloo push into stand-in servers (vLLM tier)
 class FakeServer(transfer.GateClient):
     """A replica's gate routes and its one worker, in this process, as the server runs them
-    (``trl_ext.serve.endpoint._push`` over ``trl_ext.serve.gloo_engine.GlooWeightTransferEngine``): ``init`` joins
+    (``trl_ext.serve.endpoint._push`` over ``trl_ext.serve.gloo_transfer.GlooWeightTransferEngine``): ``init`` joins
     the trainer's gloo group, ``update`` receives every announced tensor. ``MODES[url]`` breaks one: ``init_fails``
     (the init request fails at once, the worker never joins), ``init_stall`` (the init request never answers, the
     worker never joins), ``update_fails`` (the update request fails at once), ``stall`` (the update request never
@@ -127,7 +127,7 @@ class FakeServer(transfer.GateClient):
     def _post(self, op: str, body: dict) -> None:
         from torch.distributed import TCPStore
 
-        from trl_ext.serve.gloo_engine import gloo_group
+        from trl_ext.serve.gloo_transfer import gloo_group
 
         if self.mode == f"{op}_fails":
             raise ServerError(f"{self.replica} answered {PUSH_PATH}{op} with 500: {op} broke")

@@ -203,7 +203,7 @@ def test_one_process_on_its_own_server_k0_then_k1_pushed(tmp_path):
 
 
 def test_k0_fsdp2_weights_pushed_over_gloo(tmp_path):
-    """``--vllm_weight_transfer gloo`` (vLLM's weight-transfer engines on CPU, ``trl_ext.serve.transfer``): 2 FSDP2
+    """``--vllm_weight_transfer gloo`` (vLLM's weight-transfer backend on CPU, ``trl_ext.serve.transfer``): 2 FSDP2
     processes at k = 0 push each version into the policy server (process 0 broadcasts, both gather), LoRA at lr 3e-3
     for 4 steps. Every step's sampling gap stays at float error while the policy moves, and no checkpoint is written
     to the servers' weights directory: the server serves the pushed weights. With the push sending the start weights

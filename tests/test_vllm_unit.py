@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_ext.interfaces import SamplingParams
 from trl_ext.routing.adapters import apply_dual_lora, set_scales
-from trl_ext.vllm.engine import VLLMSampler, _cut_at_stop
+from trl_ext.vllm.sampler import VLLMSampler, _cut_at_stop
 from trl_ext.vllm.weights import merged_weights, unmergeable
 
 

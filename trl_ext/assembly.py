@@ -2,7 +2,7 @@
 arguments (`Build`) in order.
 
 Registries, the `Part` protocol and the registering modules (`trl_ext.parts.MODULES`, loaded here): `trl_ext.parts`.
-A new prompt source, generation engine or feature is a module that registers its part, named in ``MODULES``;
+A new prompt source, generation source or feature is a module that registers its part, named in ``MODULES``;
 `trl_ext.cli_train` builds by lookup and `trl_ext.launch` asks ``supports``.
 """
 

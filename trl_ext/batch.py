@@ -28,11 +28,16 @@ record_index               [B] long    records      ``--token_records_every``, a
 The loss mask of every loss, ratio, importance mask and KL is ``completion_mask * tool_mask`` (`loss_mask`):
 environment tokens are read (they condition later turns) but never trained on, scored by a teacher, or weighed.
 `check_batch` verifies a batch against the schema for the features a run has on (every generation batch).
+
+Beside the dict, the stages hand each other batch-wide values in a `BatchContext` (a new one for every generation
+batch: the rows, the gathered rewards, environment episodes, routing's and distillation's estimator inputs, the
+teacher's log-probs, saved-rollout columns), checked by `check_context`. Nothing of a batch lives on the trainer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -90,3 +95,62 @@ def check_batch(batch: dict, features: BatchFeatures) -> None:
     for key in ("is_rh", "is_bad"):
         if key in batch and batch[key].dtype != torch.bool:
             raise ValueError(f"batch schema: {key!r} must be bool, got {batch[key].dtype}")
+
+
+@dataclass
+class BatchContext:
+    """What the stages of one generation batch hand each other beside the batch dict (made fresh for every
+    generation batch, in ``_generate_and_score_completions``). Per-sample tensors that must follow TRL's shuffle and
+    split ride in the batch dict instead; this holds the batch-wide values."""
+
+    rows: list[dict]
+    """TRL's rows of the generation batch (this process's), in the order of its prompts."""
+    mode: str
+    """``"train"`` or ``"eval"``."""
+    trajectories: list | None = None
+    """Source: the environment episodes of this process's completions (``--env``), same order."""
+    rewards: torch.Tensor | None = None
+    """Rewards: every process's rewards per function ``[N, F]`` (gathered, TRL's order)."""
+    local_rewards: torch.Tensor | None = None
+    """Rewards: this process's rows of `rewards`."""
+    reward_context: dict = field(default_factory=dict)
+    """Rewards: TRL's reward keyword arguments of the batch (`rewards.bound.trl_context`)."""
+    routing: dict | None = None
+    """Rewards -> scorers: what gradient routing found (labels, gathered flags, base rewards)."""
+    routing_arm: Any = None
+    """Scorers -> estimator: routing's `trl_ext.estimator.RoutingArm`, or None."""
+    distill: Any = None
+    """Scorers -> estimator: distillation's `trl_ext.distill.advantages.DistillAdvantages`, or None."""
+    teacher_logprobs: torch.Tensor | None = None
+    """Scorers: the teacher's log-probs ``[B, C]`` of this process's completions (distillation), or None."""
+    pre_advantages: torch.Tensor | None = None
+    """Estimator: this process's advantages before the routing arm."""
+    advantages: torch.Tensor | None = None
+    """Estimator: the whole generation batch's advantages when the estimator replaced TRL's, else None."""
+    rollout: Any = None
+    """Source: the generator thread's `trl_ext.offpolicy.worker.Rollout` of this batch (off-policy), or None."""
+    columns: dict[str, list] = field(default_factory=dict)
+    """Any stage -> records: per-sample columns of the saved rollouts (``--save_rollouts``)."""
+    eval_rewards: dict[str, list] = field(default_factory=dict)
+    """Records: this process's ``--eval_rewards`` values by name."""
+    first_row: int = 0
+    """This process's first row in the generation batch."""
+
+
+def check_context(ctx: BatchContext, batch: dict) -> None:
+    """Raise ValueError when the batch context does not line up with ``batch`` (this process's ``B`` rows of a
+    generation batch of ``N``): rows, episodes, rewards, teacher log-probs, saved-rollout columns."""
+    B, C = batch["completion_ids"].shape
+    if len(ctx.rows) != B:
+        raise ValueError(f"batch context: {len(ctx.rows)} rows for {B} completions")
+    if ctx.trajectories is not None and len(ctx.trajectories) != B:
+        raise ValueError(f"batch context: {len(ctx.trajectories)} episodes for {B} completions")
+    if ctx.rewards is not None and (ctx.rewards.dim() != 2 or ctx.local_rewards is None
+                                    or tuple(ctx.local_rewards.shape) != (B, ctx.rewards.size(1))):
+        raise ValueError(f"batch context: rewards {tuple(ctx.rewards.shape)} / local rewards do not line up with {B} "
+                         "completions")  # fmt: skip
+    if ctx.teacher_logprobs is not None and tuple(ctx.teacher_logprobs.shape) != (B, C):
+        raise ValueError(f"batch context: teacher log-probs {tuple(ctx.teacher_logprobs.shape)}, expected {(B, C)}")
+    for key, values in ctx.columns.items():
+        if len(values) != B:
+            raise ValueError(f"batch context: saved-rollout column {key!r} has {len(values)} values for {B} samples")

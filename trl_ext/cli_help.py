@@ -16,6 +16,8 @@ import argparse
 import dataclasses
 import re
 
+from trl_ext import compat
+
 TRL_GROUP = "TRL GRPOConfig and transformers TrainingArguments fields (train.py's defaults: TRAIN_DEFAULTS)"
 _PERCENT = re.compile(r"%%|%\(|%")  # already escaped, a format field, or a bare % (escaped)
 
@@ -34,19 +36,20 @@ def group_flags(parser: argparse.ArgumentParser, config_cls: type) -> argparse.A
     """Regroup the flags of ``config_cls`` (already added to ``parser``) by declaring class and escape bare ``%``
     in every help string; returns ``parser``."""
     fields = {f.name for f in dataclasses.fields(config_cls)}
-    for group in parser._action_groups:
-        for action in group._group_actions:
+    for _, actions in compat.action_groups(parser):
+        for action in actions:
             if action.help:
                 action.help = _PERCENT.sub(lambda m: "%%" if m.group() == "%" else m.group(), action.help)
     moved: dict[type, list[argparse.Action]] = {}
-    for group in parser._action_groups:  # HfArgumentParser put config_cls's fields in one group
-        for action in [a for a in group._group_actions if a.dest in fields]:
+    for _, actions in compat.action_groups(parser):  # HfArgumentParser put config_cls's fields in one group
+        for action in [a for a in actions if a.dest in fields]:
             owner = declaring_class(config_cls, action.dest)
             moved.setdefault(owner if "_argument_group_name" in owner.__dict__ else None, []).append(action)
-            group._group_actions.remove(action)
-    parser._action_groups = [g for g in parser._action_groups if g._group_actions or g is parser._optionals]
+            actions.remove(action)
+    compat.drop_empty_groups(parser)
     # the features in the order of config_cls's bases, then config_cls's own fields, then TRL's and transformers'
     mro = config_cls.__mro__
     for owner in sorted(moved, key=lambda c: len(mro) if c is None else (mro.index(c) or len(mro) - 1)):
-        parser.add_argument_group(group_title(owner) if owner else TRL_GROUP)._group_actions.extend(moved[owner])
+        group = parser.add_argument_group(group_title(owner) if owner else TRL_GROUP)
+        dict(compat.action_groups(parser))[group].extend(moved[owner])
     return parser

@@ -16,10 +16,10 @@ from transformers import HfArgumentParser
 
 from trl_ext.assembly import Build, resolve
 from trl_ext.config import TRAIN_DEFAULTS, ExtGRPOConfig, RunArgs
-from trl_ext.data import load_run_data
+from trl_ext.data.load import load_run_data
+from trl_ext.data.register import prompt_source  # noqa: F401  (the story prompts' source: evaluate.py reads it here)
 from trl_ext.models import BUILTIN_MODELS, model_source, load_tokenizer, prepare_tokenizer, resolve_model_arg
 from trl_ext.naming import run_name
-from trl_ext.prompts import prompt_source  # noqa: F401  (the story prompts' source: evaluate.py reads it here)
 from trl_ext.registry import ConfigError
 
 
@@ -33,8 +33,8 @@ class Plan:
     run_dir: Path
     argv: list[str]
     resume: Path | None = None  # the complete checkpoint a resumed run continues from (`runs.rundir.check_run_dir`)
-    train_data: object = None  # trl_ext.data.PromptData of --dataset (loaded once, at parse time)
-    eval_data: object = None  # trl_ext.data.PromptData of --eval_dataset
+    train_data: object = None  # trl_ext.data.load.PromptData of --dataset (loaded once, at parse time)
+    eval_data: object = None  # trl_ext.data.load.PromptData of --eval_dataset
     assembly: object = None  # trl_ext.assembly.Assembly: the run's prompt source, generation sources and features
     flags: dict | None = None  # the flags given, recipes' and command line's (run_config.yaml's `flags`)
     origin: Path | None = None  # the run whose run_config.yaml is this run's recipe (`trl_ext.runs.recipe`)

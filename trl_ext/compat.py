@@ -1,5 +1,5 @@
-"""Compatibility: every reach of the project into private internals of TRL, vLLM, accelerate, transformers and
-argparse, one named function each.
+"""Compatibility: every reach of the project into private internals of TRL, vLLM, accelerate, transformers, torch
+and argparse, one named function each.
 
 A reach is a use of something its library does not promise to keep: an underscore name (``trainer._metrics``,
 ``parser._actions``), a module global swapped while the library runs (``vllm_generation.LLM``), an engine's object
@@ -22,11 +22,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 VERSIONS = {"trl": "1.16.0", "transformers": "5.23.0", "accelerate": "1.15.0", "vllm": "0.30.0",
-            "argparse": "CPython 3.11"}  # fmt: skip
+            "torch": "2.13", "argparse": "CPython 3.11"}  # fmt: skip
 """The versions every reach was read in and checked against (pyproject: trl==1.16.0, transformers>=5.20,<5.24,
 accelerate>=1.10,<1.16, vllm==0.30.0)."""
 
-TRL, TF, ACC, VLLM = (f"{k} {VERSIONS[k]}" for k in ("trl", "transformers", "accelerate", "vllm"))
+TRL, TF, ACC, VLLM, TORCH = (f"{k} {VERSIONS[k]}" for k in ("trl", "transformers", "accelerate", "vllm", "torch"))
 ARGPARSE = f"argparse ({VERSIONS['argparse']})"
 
 
@@ -119,6 +119,19 @@ def is_store_false(action: argparse.Action) -> bool:
     return isinstance(action, argparse._StoreFalseAction)
 
 
+@reaches("argparse.ArgumentParser._action_groups", "argparse._ArgumentGroup._group_actions",
+         "argparse.ArgumentParser._optionals", versions=ARGPARSE)  # fmt: skip
+def action_groups(parser: argparse.ArgumentParser) -> list[tuple[argparse._ArgumentGroup, list[argparse.Action]]]:
+    """``(group, its actions)`` of ``parser``, both live lists (``--help`` prints them in this order)."""
+    return [(group, group._group_actions) for group in parser._action_groups]
+
+
+@reaches("argparse.ArgumentParser._action_groups", "argparse.ArgumentParser._optionals", versions=ARGPARSE)
+def drop_empty_groups(parser: argparse.ArgumentParser) -> None:
+    """Remove the argument groups left without actions (argparse's own optionals group stays)."""
+    parser._action_groups = [g for g in parser._action_groups if g._group_actions or g is parser._optionals]
+
+
 # ---------------------------------------------------------------------------------------------------- accelerate
 @reaches("accelerate.state.PartialState._shared_state", versions=ACC)
 def record_distributed_type(distributed_type) -> None:
@@ -169,6 +182,19 @@ def saved_key_renamer(model):
 def output_dir_of(trainer, trial=None) -> str:
     """The directory the Trainer writes ``checkpoint-N`` into (``output_dir``, or a hyperparameter search's)."""
     return trainer._get_output_dir(trial=trial)
+
+
+@reaches("torch.nn.Module._non_persistent_buffers_set", versions=TORCH)
+def is_persistent_buffer(module, name: str) -> bool:
+    """Whether ``module``'s own buffer ``name`` goes into its state dict (torch keeps the others in a private set)."""
+    return name not in module._non_persistent_buffers_set
+
+
+@reaches("torch.distributed.fsdp.FSDPModule._get_fsdp_state", "torch.distributed.fsdp._fully_shard._fsdp_state."
+         "FSDPState._lazy_init", versions=TORCH)  # fmt: skip
+def fsdp2_lazy_init(model) -> None:
+    """FSDP2's lazy initialisation of a prepared model, run now (else at its first forward)."""
+    model._get_fsdp_state()._lazy_init()
 
 
 # ---------------------------------------------------------------------------------------------------- TRL trainer
@@ -326,6 +352,12 @@ def wake_colocate_weights(generation) -> bool:
 
 # ---------------------------------------------------------------------------------------------------- vLLM
 _NCCL_TRAINER = "vllm.distributed.weight_transfer.nccl_engine.NCCLTrainerWeightTransferEngine"
+
+
+VLLM_HOOKS: dict[str, Hook] = {
+    "_broadcast": Hook((_NCCL_TRAINER,), ("source", "meta")),  # the gloo backend's send (serve/gloo_transfer.py)
+}
+"""vLLM methods the project's subclasses override, with the parameters they take."""
 
 
 @reaches(f"{_NCCL_TRAINER}._broadcast", f"{_NCCL_TRAINER}._post_send_sync", versions=VLLM, needs="vllm")

@@ -5,8 +5,8 @@ gradient routing, distillation, saved rollouts, token records). It is an object 
 trainer keeps the only override of each TRL hook and calls, in each hook, that stage of every component of the run,
 in `COMPONENTS`' order (the ``order`` of each class). Every stage defaults to "nothing to do", so a component
 implements only the stages it takes part in. Components never call each other: what one stage hands a later one
-travels in the batch dict (``trl_ext/batch.py`` checks it) or in the generation batch's `BatchContext` (below),
-made fresh for every generation batch.
+travels in the batch dict or in the generation batch's `trl_ext.batch.BatchContext` (made fresh for every generation
+batch); ``trl_ext/batch.py`` is the schema of both and checks them every batch.
 
 Lifecycle: built before TRL's ``__init__`` (``__init__`` may check and edit TRL's keyword arguments; its own keyword
 arguments, `Component.options`, are taken out of them), `building` wraps TRL's ``__init__``, `setup` runs on the
@@ -22,10 +22,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+
+from trl_ext.batch import BatchContext
 
 MODULES = (
     "trl_ext.env.component",
@@ -40,46 +42,6 @@ MODULES = (
 
 COMPONENTS: dict[str, type[Component]] = {}
 """Registered component classes by name; the trainer asks them in ``order``."""
-
-
-@dataclass
-class BatchContext:
-    """What the stages of one generation batch hand each other beside the batch dict (made fresh for every
-    generation batch, in ``_generate_and_score_completions``). Per-sample tensors that must follow TRL's shuffle and
-    split ride in the batch dict instead; this holds the batch-wide values."""
-
-    rows: list[dict]
-    """TRL's rows of the generation batch (this process's), in the order of its prompts."""
-    mode: str
-    """``"train"`` or ``"eval"``."""
-    trajectories: list | None = None
-    """Source: the environment episodes of this process's completions (``--env``), same order."""
-    rewards: torch.Tensor | None = None
-    """Rewards: every process's rewards per function ``[N, F]`` (gathered, TRL's order)."""
-    local_rewards: torch.Tensor | None = None
-    """Rewards: this process's rows of `rewards`."""
-    reward_context: dict = field(default_factory=dict)
-    """Rewards: TRL's reward keyword arguments of the batch (`rewards.bound.trl_context`)."""
-    routing: dict | None = None
-    """Rewards -> scorers: what gradient routing found (labels, gathered flags, base rewards)."""
-    routing_arm: Any = None
-    """Scorers -> estimator: routing's `trl_ext.estimator.RoutingArm`, or None."""
-    distill: Any = None
-    """Scorers -> estimator: distillation's `trl_ext.distill.advantages.DistillAdvantages`, or None."""
-    teacher_logprobs: torch.Tensor | None = None
-    """Scorers: the teacher's log-probs ``[B, C]`` of this process's completions (distillation), or None."""
-    pre_advantages: torch.Tensor | None = None
-    """Estimator: this process's advantages before the routing arm."""
-    advantages: torch.Tensor | None = None
-    """Estimator: the whole generation batch's advantages when the estimator replaced TRL's, else None."""
-    rollout: Any = None
-    """Source: the generator thread's `trl_ext.offpolicy.worker.Rollout` of this batch (off-policy), or None."""
-    columns: dict[str, list] = field(default_factory=dict)
-    """Any stage -> records: per-sample columns of the saved rollouts (``--save_rollouts``)."""
-    eval_rewards: dict[str, list] = field(default_factory=dict)
-    """Records: this process's ``--eval_rewards`` values by name."""
-    first_row: int = 0
-    """This process's first row in the generation batch."""
 
 
 @dataclass

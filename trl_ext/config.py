@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from environments.stories import BUILTIN_PROMPTS
-from trl_ext.data import DEFAULT_PROMPT_COLUMN, DEFAULT_SPLIT
+from trl_ext.data.load import DEFAULT_PROMPT_COLUMN, DEFAULT_SPLIT
 from trl_ext.distill.args import DistillArgs
 from trl_ext.env.args import EnvArgs
 from trl_ext.estimator import check_estimator_flags
@@ -73,7 +73,7 @@ class RunArgs:
     dataset: str | None = field(default=None, metadata={
         "help": "Training prompts from a file (.jsonl, .json, .csv, .parquet), a save_to_disk directory or a hub id "
                 "(datasets.load_dataset), instead of the story prompts: the --prompt_column is TRL's prompt, every "
-                "other column reaches the reward functions as a keyword argument (trl_ext/data.py)."})
+                "other column reaches the reward functions as a keyword argument (trl_ext/data/load.py)."})
     dataset_split: str | None = field(default=None, metadata={
         "help": f"Split of --dataset trained on, datasets' split syntax (train, test, train[:90%]; unset: "
                 f"{DEFAULT_SPLIT!r}, a file's only split)."})
@@ -144,7 +144,7 @@ class RunArgs:
 
     def check_prompt_data(self) -> None:
         """--dataset / --eval_dataset flags that contradict or would be ignored; resolves the unset split and
-        column of a given dataset (the data itself is checked by train.py's build_plan, trl_ext/data.py)."""
+        column of a given dataset (the data itself is checked by train.py's build_plan, trl_ext/data/load.py)."""
         if self.dataset is not None:
             if self.prompts is not None:
                 raise ConfigError("--dataset and --prompts exclude each other (--prompts picks the story prompts)")

@@ -12,7 +12,7 @@ Jaccard similarity of lower-cased word sets; ``degenerate`` when unique < ``--mi
 Prompts are held-out ("test" split) story prefixes; prompt length, prompt source, reward and sampling
 settings default to the training run's own (``run_config.yaml`` beside or above the checkpoint). ``--dataset``
 (``--dataset_split``, ``--prompt_column``; default: the run's ``--eval_dataset``) takes ``--n_samples`` rows of a
-prompt dataset instead (``trl_ext.data``), and each reward gets the rows' columns as in training.
+prompt dataset instead (``trl_ext.data.load``), and each reward gets the rows' columns as in training.
 Routing eval (dual LoRA): both (1,1), retain_only (1,0), forget_only (0,1) adapter scales, same prompts
 and seed (Gradient Routing, Cloud et al. 2024).
 """
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import yaml
 
-from trl_ext.data import CONVERSATIONAL, PROMPT, eval_data_choice, has_chat_template, load_prompt_data, row_scorer
+from trl_ext.data.load import CONVERSATIONAL, PROMPT, eval_data_choice, has_chat_template, load_prompt_data, row_scorer
 from trl_ext.diversity import mean_pairwise_jaccard, unique_fraction
 from trl_ext.registry import ConfigError
+from trl_ext.routing.adapter_layout import LAYOUT_FILENAME
 from trl_ext.routing.adapters import ABLATION_SCALES as ABLATION
-from trl_ext.routing.layout import LAYOUT_FILENAME
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")  # fmt: skip
@@ -55,8 +55,8 @@ class EvalArgs:
                                       "chose them from its --prompts and --model).")
     prompt_length: int | None = _help("Prompt length in tokens (default: the run's).")
     dataset: str | None = _help("Prompts from a dataset (a .jsonl/.json/.csv/.parquet file, a save_to_disk directory "
-                                "or a hub id: trl_ext/data.py) instead of the story prompts: --n_samples rows in an "
-                                "order shuffled by --seed, their other columns passed to the rewards as train.py "
+                                "or a hub id: trl_ext/data/load.py) instead of the story prompts: --n_samples rows in "
+                                "an order shuffled by --seed, their other columns passed to the rewards as train.py "
                                 "passes them. Default: the run's --eval_dataset (and split) when it had one.")
     dataset_split: str | None = _help("Split of --dataset (default: the run's --eval_dataset_split for its eval "
                                       "dataset, else 'train').")
@@ -161,7 +161,7 @@ def find_run_config(model_path: Path) -> dict | None:
 
 
 def resolve_data(args: EvalArgs, run: dict):
-    """--dataset's `trl_ext.data.PromptData` (``--n_samples`` rows shuffled by ``--seed``), or None for the story
+    """--dataset's `trl_ext.data.load.PromptData` (``--n_samples`` rows shuffled by ``--seed``), or None for the story
     prompts; ConfigError for story-prompt flags given with a dataset."""
     choice = eval_data_choice(args.dataset, args.dataset_split, args.prompt_column, run)
     if choice is None:
@@ -256,8 +256,8 @@ def load_model(path: Path, kind: str):
 
         layout = json.loads((path / "adapter_config.json").read_text())
         return AutoPeftModelForCausalLM.from_pretrained(path, dtype=torch.float32), layout
+    from trl_ext.routing.adapter_layout import load_layout
     from trl_ext.routing.checkpoint import load_dual_lora_checkpoint
-    from trl_ext.routing.layout import load_layout
 
     dual, mode = load_layout(path)
     return load_dual_lora_checkpoint(path), {**dual.to_dict(), "routing_mode": mode}
@@ -289,7 +289,7 @@ def evaluate(args: EvalArgs, s: dict) -> dict:
                                     args.seed)["prompt"])  # fmt: skip
         rewards = {n: on_prompts(fn, prompts) for n, fn in s["rewards"].items()}  # sampled one per prompt, in order
         texts_in = prompts
-    else:  # the rows' columns reach the rewards as train.py's rewards get them (trl_ext.data.row_scorer)
+    else:  # the rows' columns reach the rewards as train.py's rewards get them (trl_ext.data.load.row_scorer)
         prompts = list(data.dataset[PROMPT])
         rewards = {n: row_scorer(fn, data, len(prompts)) for n, fn in s["rewards"].items()}
         texts_in = prompts if data.kind != CONVERSATIONAL else [  # rendered as TRL renders chat prompts

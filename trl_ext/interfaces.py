@@ -5,9 +5,9 @@ the off-policy generator (``trl_ext.offpolicy.worker``) drives any of them. Two 
 ``loads_versions``:
 
 - `ModelSampler` (``loads_versions = False``): samples ``model`` as its weights are at each step; a new version is
-  written into ``model`` (``trl_ext.generation.sampler.FastSampler``, ``trl_ext.generation.hf_sampler.HFSampler``);
+  written into ``model`` (``trl_ext.generation.fast.FastSampler``, ``trl_ext.generation.hf_sampler.HFSampler``);
 - `VersionedSampler` (``loads_versions = True``): loads each version itself from what it is given with `stage` (a
-  checkpoint directory, or None for a version already pushed into its servers): ``trl_ext.vllm.engine.VLLMSampler``.
+  checkpoint directory, or None for a version already pushed into its servers): ``trl_ext.vllm.sampler.VLLMSampler``.
 
 Publishers (`Publisher`) take policy version v (the weights after v optimizer steps) from the trainer:
 ``trl_ext.offpolicy.store.PolicyStore``, ``trl_ext.offpolicy.worker.RolloutWorker``, and the engine publishers

@@ -6,7 +6,7 @@ field name, so two runs that differ in any value (a sweep's fixed values include
 directory. Fields that only steer logging or output are not defining (see `NOT_DEFINING`); the eval prompts
 (``--eval_dataset``: an ``eval_`` field) do not define the training either.
 
-A ``--dataset`` run has ``_data-{tag}`` after the model (`trl_ext.data.dataset_tag`: a file's stem, a directory's
+A ``--dataset`` run has ``_data-{tag}`` after the model (`trl_ext.data.load.dataset_tag`: a file's stem, a directory's
 name, a hub id's last part; never a path with slashes), and its other fields are compared with the default run on
 the same dataset (train.py's build_plan), whose unset --num_prompts means every row. Two datasets with the same
 tag share a name: the run directory's check (`runs.rundir.check_run_dir`) then refuses the second start.
@@ -19,7 +19,7 @@ import hashlib
 import re
 from pathlib import PurePath
 
-from trl_ext.data import dataset_tag
+from trl_ext.data.load import dataset_tag
 
 CORE_FIELDS = (
     "reward",

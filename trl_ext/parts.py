@@ -2,7 +2,7 @@
 (`PROMPT_SOURCES`), what samples the completions (`GENERATION_SOURCES`) and the features (`FEATURES`).
 
 Each entry is a `Part`, registered by its own subpackage's module (``trl_ext/routing/register.py``,
-``trl_ext/env/source.py`` ...; `MODULES` lists them, in the order their parts are asked in). A part declares
+``trl_ext/env/register.py`` ...; `MODULES` lists them, in the order their parts are asked in). A part declares
 
 - when it is selected (`Part.selected`: a predicate on the parsed RunArgs / ExtGRPOConfig) and the flags that
   engage it (`Part.flags`, read by `Part.flag`);
@@ -14,7 +14,7 @@ Each entry is a `Part`, registered by its own subpackage's module (``trl_ext/rou
 - how it builds its part of the trainer (a prompt source's `PromptSource.build`; `Part.contribute`,
   `Part.before_train`; `Part.run` for a part that trains by itself).
 
-Adding a prompt source, a generation engine or a feature is one module that registers it, named in `MODULES` (or
+Adding a prompt source, a generation source or a feature is one module that registers it, named in `MODULES` (or
 imported by a plugin before train.py parses); train.py (`trl_ext.cli_train`, `trl_ext.assembly`) and
 `trl_ext.launch` are not edited. The modules are loaded by name (`load`): this module, which `trl_ext.launch` reads,
 imports no feature.
@@ -103,7 +103,7 @@ class PromptSource(Part):
 
 
 class GenerationSource(Part):
-    """What samples the completions: TRL's generation, an engine, the off-policy generator."""
+    """What samples the completions: TRL's generation, the fast sampler, a vLLM engine, the off-policy generator."""
 
 
 class Feature(Part):
@@ -129,14 +129,11 @@ MODULES = (
     "trl_ext.routing.register",  # routing (the RH detector, in every run)
     "trl_ext.models.register",  # lora, rebuild_builtin
     "trl_ext.distill.register",  # distill
-    "trl_ext.offpolicy.register",  # offpolicy
-    "trl_ext.env.source",  # prompts: env
-    "trl_ext.env.register",  # env, sft
-    "trl_ext.generation.fast_engine",  # generation: fast
-    "trl_ext.offpolicy.source",  # generation: offpolicy (the generator thread)
+    "trl_ext.offpolicy.register",  # offpolicy; generation: offpolicy (the generator thread)
+    "trl_ext.env.register",  # prompts: env; env, sft
     "trl_ext.runs.register",  # saved_rollouts
-    "trl_ext.prompts",  # prompts: stories (the default), dataset; eval_loop
-    "trl_ext.generation.trl_engine",  # generation: trl, continuous_batching
+    "trl_ext.data.register",  # prompts: stories (the default), dataset; eval_loop
+    "trl_ext.generation.register",  # generation: fast, trl, continuous_batching
     "trl_ext.vllm.register",  # generation: vllm
     "trl_ext.serve.register",  # serve (policy and teacher servers)
 )

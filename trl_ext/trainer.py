@@ -42,7 +42,7 @@ from trl.data_utils import is_conversational
 from rewards.bound import score, trl_context
 from trl_ext import compat
 from trl_ext import components as comp
-from trl_ext.batch import BatchFeatures, check_batch
+from trl_ext.batch import BatchContext, BatchFeatures, check_batch, check_context
 from trl_ext.estimator import estimate_advantages, local_slice, weighted_rewards
 from trl_ext.monitor import ZeroSignalMonitor
 from trl_ext.runs.faults import NumericFault, check_rewards, guard_reward
@@ -53,7 +53,7 @@ TextReward = Callable[[list[str]], list[float]]
 
 class ExtGRPOTrainer(RunLifecycle, GRPOTrainer):
     components = comp.Components([])  # a trainer built without __init__ (mocks, TRL's tests) has none
-    batch_context: comp.BatchContext | None = None
+    batch_context: BatchContext | None = None
     _loss_inputs: dict | None = None
 
     def __init__(self, *args, eval_reward_funcs: dict[str, TextReward] | None = None,
@@ -226,7 +226,7 @@ class ExtGRPOTrainer(RunLifecycle, GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         """Stages 1-5 of one generation batch (see the module docstring)."""
         mode = "train" if self.model.training else "eval"
-        ctx = self.batch_context = comp.BatchContext(rows=list(inputs), mode=mode,
+        ctx = self.batch_context = BatchContext(rows=list(inputs), mode=mode,
                                                      first_row=self.accelerator.process_index * len(inputs))
         try:
             batch = GRPOTrainer._generate_and_score_completions(self, inputs)  # 1 and 2
@@ -237,11 +237,12 @@ class ExtGRPOTrainer(RunLifecycle, GRPOTrainer):
             for c in self.components:
                 c.record(batch, ctx)
             check_batch(batch, self.batch_features(ctx))
+            check_context(ctx, batch)
         finally:
             self.batch_context = None
         return batch
 
-    def _estimate(self, batch: dict, ctx: comp.BatchContext) -> None:
+    def _estimate(self, batch: dict, ctx: BatchContext) -> None:
         train = ctx.mode == "train"
         group = self.num_generations if train else self.num_generations_eval
         rewards = weighted_rewards(ctx.rewards, self.reward_weights)
@@ -258,7 +259,7 @@ class ExtGRPOTrainer(RunLifecycle, GRPOTrainer):
         for c in self.components:
             c.estimated(batch, ctx)
 
-    def batch_features(self, ctx: comp.BatchContext) -> BatchFeatures:
+    def batch_features(self, ctx: BatchContext) -> BatchFeatures:
         """Which optional keys this batch carries (`trl_ext.batch`), as the components decide."""
         keys: dict[str, bool] = {"env": bool(self.tools)}
         for c in self.components:
@@ -266,7 +267,7 @@ class ExtGRPOTrainer(RunLifecycle, GRPOTrainer):
                 keys[key] = keys.get(key, False) or value
         return BatchFeatures(**keys)
 
-    def _record_batch(self, batch: dict[str, Any], ctx: comp.BatchContext) -> None:
+    def _record_batch(self, batch: dict[str, Any], ctx: BatchContext) -> None:
         mode = ctx.mode
         if self.eval_reward_funcs:
             texts = self.decode_completions(batch)

@@ -4,7 +4,7 @@
   generator's copy, `trl_ext.offpolicy.worker`; TRL's colocate vLLM engine, `trl_ext.vllm.component.sync_colocate`);
 - **files**: each version is published as a checkpoint (`trl_ext.vllm.publish.CheckpointPublisher`) that an
   in-process vLLM engine or the policy's vLLM servers load by version;
-- **push over gloo / NCCL**: each version is pushed into the servers with vLLM's weight-transfer engines
+- **push over gloo / NCCL**: each version is pushed into the servers with vLLM's weight-transfer backends
   (`trl_ext.serve.transfer.WeightPusher`); a strict generator still owing batches of an older version falls back to
   files (the checkpoint publisher is built beside the pusher).
 
@@ -22,7 +22,7 @@ import torch
 
 from trl_ext import compat
 from trl_ext.env.episodes import answer_stop_sequences
-from trl_ext.generation.sampler import SamplingParams
+from trl_ext.interfaces import SamplingParams
 from trl_ext.registry import ConfigError
 from trl_ext.vllm.weights import base_of
 
@@ -49,7 +49,7 @@ class Transport:
 @dataclass
 class PolicyServers:
     """The policy's vLLM servers as this process sees them: its replicas (its rows start on its own one) and what
-    each said it runs (`trl_ext.serve.engine.check_replicas`)."""
+    each said it runs (`trl_ext.serve.client.check_replicas`)."""
 
     replicas: list
     infos: list[dict]
@@ -69,8 +69,7 @@ def connect_policy_servers(trainer) -> PolicyServers:
     """``--vllm_mode server``: the policy's replicas (``trl_ext.serve``), checked (tokenizer, max_model_len,
     log-prob mode; one weights directory when a version may travel as files)."""
     from trl_ext.serve.args import server_urls
-    from trl_ext.serve.client import Replica
-    from trl_ext.serve.engine import check_replicas
+    from trl_ext.serve.client import Replica, check_replicas
 
     args = trainer.args
     urls = server_urls(args)
@@ -111,8 +110,8 @@ def server_transport(trainer, servers: PolicyServers) -> Transport:
     """k = 0 on the servers: process 0 pushes each version into every replica (nccl, gloo), or each version is a
     checkpoint the servers reload (files)."""
     from trl_ext.serve.engine import ServerEngine
-    from trl_ext.vllm.engine import VLLMSampler
     from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
+    from trl_ext.vllm.sampler import VLLMSampler
 
     policy = trainer.accelerator.unwrap_model(trainer.model)
     pusher = _pusher(trainer, servers, policy)
@@ -128,8 +127,8 @@ def generator_transport(trainer, policy, servers: PolicyServers | None) -> Trans
     """k >= 1 with ``--use_vllm``: a `VLLMSampler` over the policy's servers (``servers``) or over this process's
     `VLLMEngine`, the checkpoint publisher (``trl_ext.vllm.publish``) and, with ``--vllm_weight_transfer
     nccl|gloo``, the servers' pusher (``trl_ext.serve.transfer``)."""
-    from trl_ext.vllm.engine import VLLMSampler
     from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
+    from trl_ext.vllm.sampler import VLLMSampler
 
     args, acc = trainer.args, trainer.accelerator
     inflight = None if args.strict_async_level else args.vllm_inflight_tokens

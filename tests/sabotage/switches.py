@@ -129,7 +129,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
     M("fast_sampler_refresh",
       "docs/offpolicy.md: --generation_backend fast at k >= 1: the generator samples with the fast sampler, every "
       "newer policy loaded (in flight, between two decoding steps)",
-      "trl_ext.generation.sampler", "FastSampler._refresh_weights", refresh_once,
+      "trl_ext.generation.fast", "FastSampler._refresh_weights", refresh_once,
       ("tests/test_offpolicy_trainer.py::test_inflight_tokens_carry_their_versions_logprobs",
        "tests/test_offpolicy.py::test_strict_schedule_versions_and_weights")),
     M("offpolicy_publish_vllm",
@@ -138,7 +138,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
       ("tests/test_vllm.py::test_k1_strict_engine_follows_the_policy",)),
     M("vllm_sync_k0",
       "docs/vllm.md: k = 0, TRL's colocate engine: weight sync every optimizer step, the merged weights reloaded "
-      "(trl_ext/vllm/trainer.py sync_colocate)",
+      "(trl_ext/vllm/component.py sync_colocate)",
       "trl_ext.vllm.component", "sync_colocate", noop_sync,
       ("tests/test_vllm.py::test_sync_takes_effect_at_k0", "tests/test_vllm.py::test_two_processes",
        "tests/test_vllm.py::test_fsdp2_k0_routed_distilled")),
@@ -155,7 +155,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
        "tests/test_serve_vllm.py::test_seed_002_layout_killed_and_resumed")),
     M("serve_push",
       "docs/layout.md: with --vllm_weight_transfer nccl|gloo process 0 pushes every version into each policy "
-      "server (vLLM's weight-transfer engines), which serves it once every tensor has arrived",
+      "server (vLLM's weight-transfer backends), which serves it once every tensor has arrived",
       "trl_ext.serve.transfer", "PolicySource.__iter__", push_start_weights,
       ("tests/test_serve_vllm.py::test_k0_fsdp2_weights_pushed_over_gloo",
        "tests/test_serve_vllm.py::test_one_process_on_its_own_server_k0_then_k1_pushed")),
@@ -218,7 +218,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
     M("vllm_inflight_version_stamp",
       "docs/vllm.md: in-flight updates every --vllm_inflight_tokens tokens; every token stamped with the version of "
       "the chunk that sampled it",
-      "trl_ext.vllm.engine", "VLLMSampler.sample", vllm_stamp_first_version,
+      "trl_ext.vllm.sampler", "VLLMSampler.sample", vllm_stamp_first_version,
       ("tests/test_vllm_unit.py::test_inflight_chunks_stamp_each_token_with_the_loading_version",
        "tests/test_vllm.py::test_vllm_inflight_tokens_carry_their_versions_logprobs")),
     # ---- off-policy loss (trl_ext/offpolicy/importance.py)

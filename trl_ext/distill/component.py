@@ -39,8 +39,8 @@ from torch import nn
 from trl.data_utils import is_conversational
 
 from trl_ext import compat
-from trl_ext.batch import loss_mask
-from trl_ext.components import BatchContext, Component, register
+from trl_ext.batch import BatchContext, loss_mask
+from trl_ext.components import Component, register
 from trl_ext.distill.advantages import distill_advantages, distill_metrics, token_kl_bonus
 from trl_ext.distill.teacher import (
     build_teacher_inputs,
@@ -82,8 +82,7 @@ class Distillation(Component):
             self.teacher = _load_teacher(a.teacher_model, t.model, t.accelerator.device)
         if self.cfg is not None and a.teacher_server_url:
             from trl_ext.serve.args import server_urls
-            from trl_ext.serve.client import Replica
-            from trl_ext.serve.engine import check_replicas
+            from trl_ext.serve.client import Replica, check_replicas
 
             self.teacher_replicas = [Replica(u, os.environ.get("VLLM_API_KEY"), a.vllm_request_timeout)
                                      for u in server_urls(a, teacher=True)]  # fmt: skip
@@ -150,7 +149,7 @@ class Distillation(Component):
                 self.context_ids, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                 batch["completion_mask"], pad_id, compat.trl_tokenizer(t).bos_token_id)
         if self.teacher_replicas is not None:  # temperature 1 (ServeArgs refuses another)
-            from trl_ext.serve.engine import server_teacher_logprobs
+            from trl_ext.serve.teacher import server_teacher_logprobs
 
             return server_teacher_logprobs(self.teacher_replicas, ids, mask, keep, score_mask=loss_mask(batch))
         with self.teacher_scope() as teacher:

@@ -29,9 +29,9 @@ class Distill(Feature):
         plan = build.plan
         if not plan.cfg.eval_baseline:
             return
+        from trl_ext.data.register import prompt_source
         from trl_ext.distill.baseline import run_eval_baseline
         from trl_ext.launch.processes import barrier
-        from trl_ext.prompts import prompt_source
 
         if build.main_process:
             run_eval_baseline(trainer, plan.run, plan.reward_config, prompt_source(plan.run))

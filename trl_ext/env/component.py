@@ -6,7 +6,8 @@ in the generator thread (``trl_ext.offpolicy.component``); ``--adv_estimator`` i
 from __future__ import annotations
 
 from trl_ext import compat
-from trl_ext.components import BatchContext, Component, register
+from trl_ext.batch import BatchContext
+from trl_ext.components import Component, register
 from trl_ext.env.episodes import episode_columns, log_episodes, log_words, play_episodes, row_envs
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from trl import GRPOConfig
 
 from trl_ext.generation.backends import SAMPLERS
-from trl_ext.generation.sampler import SUPPORTED_MODEL_TYPES
+from trl_ext.generation.fast import SUPPORTED_MODEL_TYPES
 from trl_ext.registry import ConfigError
 
 BACKENDS = tuple(SAMPLERS)  # the sync path: 'trl' = TRL's own generation, 'fast' = FastSampler

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from trl_ext.generation.fast import FastSampler
 from trl_ext.generation.hf_sampler import HFSampler
-from trl_ext.generation.sampler import FastSampler
 from trl_ext.interfaces import ModelSampler
 
 SAMPLERS = {"trl": HFSampler, "fast": FastSampler}
 """``--generation_backend`` -> the sampler class of the off-policy generator thread."""
 DESCRIPTIONS = {"trl": "transformers model forward with a DynamicCache (trl_ext.generation.hf_sampler)",
-                "fast": "the fast sampler (trl_ext.generation.sampler, static cache, CUDA graphs on CUDA)"}  # fmt: skip
+                "fast": "the fast sampler (trl_ext.generation.fast, static cache, CUDA graphs on CUDA)"}  # fmt: skip
 """One line per backend, announced in train.log by the off-policy trainer."""
 
 

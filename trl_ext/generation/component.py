@@ -1,5 +1,5 @@
 """The fast sampler as TRL's single-turn generation (``--generation_backend fast``): `FastGeneration` replaces the
-``transformers.generate`` call of synchronous runs with `FastSampler` (``trl_ext.generation.sampler``), which also
+``transformers.generate`` call of synchronous runs with `FastSampler` (``trl_ext.generation.fast``), which also
 returns the behaviour log-probs (raw tempered logits, as the asynchronous generator records them; TRL stores them as
 ``sampling_per_token_logps``). The flag is `trl_ext.generation.args`.
 """
@@ -11,7 +11,8 @@ import torch
 from trl_ext import compat
 from trl_ext.components import Component, register
 from trl_ext.env.episodes import answer_stop_sequences
-from trl_ext.generation.sampler import FastSampler, SamplingParams
+from trl_ext.generation.fast import FastSampler
+from trl_ext.interfaces import SamplingParams
 from trl_ext.registry import ConfigError
 
 CPU_DECODE_THREADS = 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trl_ext import compat
 from trl_ext.launch.sharding import sharded_training
 from trl_ext.registry import ConfigError
 
@@ -33,8 +34,6 @@ def use_fsdp_on_cpu(trainer) -> bool:
     changed the state; False elsewhere (GPUs, one process, no FSDP asked for)."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from trl_ext.compat import record_distributed_type
-
     state = trainer.accelerator.state
     if state.distributed_type != DistributedType.MULTI_CPU or sharded_training(trainer.args) != "FSDP":
         return False
@@ -44,7 +43,7 @@ def use_fsdp_on_cpu(trainer) -> bool:
         plugin.set_mixed_precision(state.mixed_precision)
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
-    record_distributed_type(DistributedType.FSDP)  # as AcceleratorState.__init__ records it
+    compat.record_distributed_type(DistributedType.FSDP)  # as AcceleratorState.__init__ records it
     trainer.is_fsdp_enabled = True
     return True
 
@@ -115,4 +114,4 @@ def init_fsdp2_now(model) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
-        model._get_fsdp_state()._lazy_init()
+        compat.fsdp2_lazy_init(model)

@@ -21,8 +21,8 @@ from transformers import TrainerCallback
 from trl.trainer.utils import RepeatSampler, pad
 
 from trl_ext import compat, transport
-from trl_ext.batch import loss_mask
-from trl_ext.components import BatchContext, Component, LossTokens, register
+from trl_ext.batch import BatchContext, loss_mask
+from trl_ext.components import Component, LossTokens, register
 from trl_ext.generation.backends import DESCRIPTIONS, make_sampler
 from trl_ext.offpolicy.importance import (
     NORMALISATIONS,
@@ -35,13 +35,22 @@ from trl_ext.offpolicy.worker import PolicyStore, RolloutWorker, WorkerConfig, g
 from trl_ext.registry import ConfigError
 
 
-class _PublishWeights(TrainerCallback):
+class _Generator(TrainerCallback):
+    """The generator's lifecycle: started when training begins (at the restored step on a resume), a publish after
+    every optimizer step, stopped when training ends (and by the trainer's ``train`` when it raises)."""
+
     def __init__(self, component):
         self.component = component
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.component.start()
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step < state.max_steps:  # the last step's policy samples no batch that is trained
             self.component.publish(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.component.close()
 
 
 @register
@@ -93,7 +102,7 @@ class OffPolicy(Component):
                   f"trl_ext.{'serve' if servers else 'vllm'}.engine)", flush=True)
 
     def callbacks(self) -> list:
-        return [_PublishWeights(self)]
+        return [_Generator(self)]
 
     # ------------------------------------------------------------------ generator lifecycle
     def start(self) -> None:
@@ -202,7 +211,7 @@ class OffPolicy(Component):
         """The generator's batch for this step (the generation batch TRL would have built is dropped)."""
         t = self.trainer
         if self.worker is None:
-            self.start()
+            raise RuntimeError("the off-policy generator is not running: it starts when training begins")
         step, worker = t.state.global_step, self.worker
         while self.submitted < step + t.args.max_async_level:
             self.submitted += 1

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trl_ext.generation.sampler import FastSampler
+from trl_ext import compat
+from trl_ext.generation.fast import FastSampler
 from trl_ext.generation.sampling import restrict_logits
 from trl_ext.interfaces import Publisher, Sampled, Sampler, SamplingParams
 from trl_ext.offpolicy.batches import BatchSampler
@@ -54,9 +55,7 @@ from trl_ext.offpolicy.store import PolicyStore
 from trl_ext.offpolicy.thread import GeneratorThread
 from trl_ext.offpolicy.weights import GeneratorWeights
 
-__all__ = ["PolicyStore", "Rollout", "RolloutWorker", "Sampled", "SamplingParams", "WorkerConfig", "generation_copy",
-           "restrict_logits", "sample"]  # fmt: skip
-# SamplingParams, Sampled: re-exported for tests/test_offpolicy_trainer.py, experiments/offpolicy_experiment.py
+__all__ = ["PolicyStore", "Rollout", "RolloutWorker", "WorkerConfig", "generation_copy", "restrict_logits", "sample"]
 
 
 def sample(
@@ -66,7 +65,7 @@ def sample(
     rng: torch.Generator | None,
     before_step: Callable[[int], int] | None = None,
 ) -> Sampled:
-    """One completion per prompt with the fast sampler (``trl_ext.generation.sampler``), left-padding the prompts.
+    """One completion per prompt with the fast sampler (``trl_ext.generation.fast``), left-padding the prompts.
 
     ``before_step(t)`` is called before every forward pass (t = 0 is the prefill); it may load new weights and returns
     the version that produces token t (without it every token is version 0). Positions run 0..len-1 over the padded
@@ -87,7 +86,7 @@ def generation_copy(model: nn.Module) -> nn.Module:
         forward = module.__dict__.get("forward")
         if forward is None:
             continue
-        if getattr(getattr(forward, "__func__", forward), "__wrapped__", None) is type(module).forward:
+        if compat.is_trl_fused_head_forward(module, forward):
             del module.__dict__["forward"]
         else:
             raise ValueError(f"cannot copy {type(module).__name__} for generation: its forward is patched ({forward})")
@@ -125,7 +124,7 @@ class RolloutWorker:
     The trainer ``submit``s the prompts of batch i (rows and token ids, tokenized in the trainer thread), ``publish``es
     weights after every optimizer step and ``get``s batch n at step n. ``sampler`` is a ``ModelSampler`` over the
     generator's own model copy (``--generation_backend``: ``trl_ext.generation.backends.make_sampler``), into which
-    publishes write, or an engine's ``VersionedSampler`` (``trl_ext.vllm.engine.VLLMSampler``), which loads each
+    publishes write, or an engine's ``VersionedSampler`` (``trl_ext.vllm.sampler.VLLMSampler``), which loads each
     version from ``store``'s snapshot (``PolicyStore.of(publisher)``) or, with a ``pusher``, from its servers. On
     several processes each process runs its own worker on its slice of every batch (``config.rank`` seeds its
     sampling: `batch_seed`); all of them follow the same schedule, and every process trains step n on batch n, in

@@ -41,8 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trl_ext import compat
 from trl_ext.models.arch import LINEAR_TYPES, architecture, block_linears, decoder_blocks, matches
-from trl_ext.routing.layout import DualLoRALayout
+from trl_ext.routing.adapter_layout import DualLoRALayout
 
 # Inference ablations of the routing eval: name -> (retain_scale, forget_scale).
 ABLATION_SCALES = {"both": (1.0, 1.0), "retain_only": (1.0, 0.0), "forget_only": (0.0, 1.0)}
@@ -252,10 +253,7 @@ def apply_dual_lora(
         name = next(n for n, m in model.named_modules() if m is head)
         model.set_output_embeddings(DualLoRALinear(head, retain_rank, forget_rank, alpha))
         # Keep transformers' tie bookkeeping true (save_pretrained, tie_weights): the tied parameter moved.
-        rename = {f"{name}.weight": f"{name}.base_layer.weight"}
-        for attr in ("_tied_weights_keys", "all_tied_weights_keys"):
-            if getattr(model, attr, None):
-                setattr(model, attr, {rename.get(k, k): rename.get(v, v) for k, v in getattr(model, attr).items()})
+        compat.rename_tied_weights(model, {f"{name}.weight": f"{name}.base_layer.weight"})
     return DualLoRALayout(retain_rank, forget_rank, float(alpha), tuple(targets), layer_start, end, layer_stride,
                           include_lm_head)
 

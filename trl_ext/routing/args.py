@@ -9,8 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from trl_ext.registry import ConfigError
+from trl_ext.routing.adapter_layout import check_routing_mode
 from trl_ext.routing.advantages import RENORMALIZATION_MODES, baseline_arm
-from trl_ext.routing.layout import check_routing_mode
 from trl_ext.routing.loss_share import check_loss_type
 from trl_ext.routing.mlp import MLP_PRESETS
 from trl_ext.routing.step import _check_frac, resolve_adapter_ranks, resolve_dual_lora_alpha

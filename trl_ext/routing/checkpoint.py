@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from trl_ext.routing.adapter_layout import ADAPTER_FILENAME, LAYOUT_FILENAME, DualLoRALayout, _read_layout, load_layout
 from trl_ext.routing.adapters import DualAdapter, apply_dual_lora
-from trl_ext.routing.layout import ADAPTER_FILENAME, LAYOUT_FILENAME, DualLoRALayout, _read_layout, load_layout
 from trl_ext.routing.mlp import apply_dual_mlp
 
 

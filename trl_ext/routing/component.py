@@ -1,8 +1,8 @@
 """Gradient routing as a component (Cloud et al. 2024, arXiv:2410.04332; seed 004; small-rl train.py at HEAD
 6f6e986): the stages `Routing` gives ExtGRPOTrainer's batch flow. Flags: ``routing.args``; the dual-adapter
 model and a run's routing pieces are built in ``routing.setup``. The math lives in ``routing.adapters`` /
-``routing.mlp`` (adapters), ``routing.layout`` and ``routing.checkpoint``, ``routing.step`` (routed backward, labels),
-``routing.advantages`` (renormalisation, baseline arms), ``routing.evaluation``, ``routing.trace``,
+``routing.mlp`` (adapters), ``routing.adapter_layout`` and ``routing.checkpoint``, ``routing.step`` (routed backward,
+labels), ``routing.advantages`` (renormalisation, baseline arms), ``routing.evaluation``, ``routing.trace``,
 ``routing.plots``.
 
 One generation and step:
@@ -40,8 +40,10 @@ from transformers import TrainerCallback
 from rewards.bound import score
 from rewards.detectors import needs_trajectories
 from trl_ext import compat
-from trl_ext.components import BatchContext, Component, register
+from trl_ext.batch import BatchContext
+from trl_ext.components import Component, register
 from trl_ext.estimator import RoutingArm, weighted_rewards
+from trl_ext.routing.adapter_layout import ADAPTER_FILENAME, save_layout
 from trl_ext.routing.adapters import DualAdapter, forget_params, retain_params
 from trl_ext.routing.advantages import prompt_hackable
 from trl_ext.routing.args import RoutingArgs
@@ -53,7 +55,6 @@ from trl_ext.routing.evaluation import (
     format_results,
     routing_eval,
 )
-from trl_ext.routing.layout import ADAPTER_FILENAME, save_layout
 from trl_ext.routing.plots import plot_modes
 from trl_ext.routing.step import rh_eligible_mask, routing_labels, single_pass_backward, two_pass_backward
 from trl_ext.routing.text import AdaptersDisabledReference, as_text

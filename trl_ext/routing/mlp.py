@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from trl_ext.routing.adapter_layout import DualLoRALayout
 from trl_ext.routing.adapters import _SIDES, DualAdapter, decoder_layers
-from trl_ext.routing.layout import DualLoRALayout
 
 # --mlp_config presets (small-rl vllm_utils.MLP_PRESETS, HEAD 6f6e986): name -> (retain, forget) neurons.
 MLP_PRESETS = {**{f"m{n}": (n, n) for n in (5, 10, 16, 30, 32, 64, 128)}, "m29f3": (29, 3), "m24f8": (24, 8)}

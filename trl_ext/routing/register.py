@@ -27,7 +27,7 @@ class Routing(Feature):
         check_run_routing(plan.run, plan.cfg, plan.reward_config)  # story and --env runs alike
 
     def contribute(self, build) -> None:
-        from trl_ext.prompts import prompt_source
+        from trl_ext.data.register import prompt_source
         from trl_ext.routing.setup import routing_setup
 
         plan = build.plan

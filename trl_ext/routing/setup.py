@@ -9,9 +9,9 @@ from pathlib import Path
 from torch import nn
 
 from rewards.bound import on_prompts
+from trl_ext.routing.adapter_layout import DualLoRALayout
 from trl_ext.routing.adapters import apply_dual_lora
 from trl_ext.routing.args import check_run_routing
-from trl_ext.routing.layout import DualLoRALayout
 
 
 def build_dual_lora_model(model_path: str, cfg, alpha: float, targets: tuple[str, ...] | None = None
@@ -46,8 +46,8 @@ def routing_setup(
     """(model for GRPOTrainer, the routing component's keyword arguments) of a validated run; ``prompt_source`` is the
     ``load_prompts`` source of the training prompts, whose split "test" feeds the routing eval; a --dataset run's
     routing eval takes the first --eval_routing_prompts rows of ``eval_data`` (--eval_dataset's
-    `trl_ext.data.PromptData`; text prompts, enough rows: checked at parse time by `trl_ext.data.load_run_data`),
-    each reward getting the rows' columns."""
+    `trl_ext.data.load.PromptData`; text prompts, enough rows: checked at parse time by
+    `trl_ext.data.load.load_run_data`), each reward getting the rows' columns."""
     detector = check_run_routing(run, cfg, reward_config)
     kwargs = {"rh_detector": None if detector is None else (detector, reward_config.detector(detector))}
     if cfg.base_reward is not None:
@@ -60,10 +60,10 @@ def routing_setup(
     if cfg.eval_routing_steps and not cfg.env and run.dataset:
         import warnings
 
-        from trl_ext.data import PROMPT, row_scorer
+        from trl_ext.data.load import PROMPT, row_scorer
         from trl_ext.routing.args import routing_eval_count
 
-        with warnings.catch_warnings():  # said once, at parse time (trl_ext.data.load_run_data)
+        with warnings.catch_warnings():  # said once, at parse time (trl_ext.data.load.load_run_data)
             warnings.simplefilter("ignore")
             n = routing_eval_count(cfg, len(eval_data.dataset), f"--eval_dataset {eval_data.source}")
         kwargs["routing_eval_prompts"] = list(eval_data.dataset.select(range(n))[PROMPT])

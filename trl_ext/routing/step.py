@@ -44,8 +44,8 @@ from torch import nn
 
 from trl_ext.batch import loss_mask
 from trl_ext.registry import ConfigError
+from trl_ext.routing.adapter_layout import check_routing_mode
 from trl_ext.routing.adapters import dual_lora_modules, forget_params, retain_params
-from trl_ext.routing.layout import check_routing_mode
 from trl_ext.routing.loss_share import pass_share
 
 LossFn = Callable[[dict[str, Any]], torch.Tensor]

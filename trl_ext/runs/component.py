@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from trl_ext import compat
-from trl_ext.batch import loss_mask
-from trl_ext.components import BatchContext, Component, LossTokens, register
+from trl_ext.batch import BatchContext, loss_mask
+from trl_ext.components import Component, LossTokens, register
 from trl_ext.runs import rollouts
 from trl_ext.runs import token_records as tr
 

@@ -108,8 +108,8 @@ def start_weights(plan, model_path: str, teacher=None) -> None:
 
     def record() -> dict:
         out = fingerprint(plan.run.model, model_path)
-        if teacher is not None:  # loaded from its resolved path, which its config keeps as _name_or_path
-            out["teacher"] = fingerprint(plan.cfg.teacher_model, teacher.config._name_or_path)
+        if teacher is not None:  # loaded from its resolved path, which its config keeps as name_or_path
+            out["teacher"] = fingerprint(plan.cfg.teacher_model, teacher.config.name_or_path)
         return out
 
     def checked() -> str:

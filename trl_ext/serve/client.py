@@ -1,6 +1,7 @@
 """The trainer's side of a vLLM server (`Replica`): health, what it serves, sampling with per-token log-probs at a
 policy version, and scoring given tokens (prompt log-probs, for a teacher). Plain HTTP on vLLM's OpenAI-compatible
-``/v1/completions``; the version headers are ``trl_ext.serve.endpoint``'s.
+``/v1/completions``; the version headers are ``trl_ext.serve.endpoint``'s. `check_replicas` refuses at start a server
+serving another model, tokenizer or log-prob mode; `concurrently` sends one request per row, `MAX_CONCURRENT` at once.
 
 Faults fail loudly and name the replica (`ServerError`): a connection error or a 502/503/504 answer is retried once
 after `RETRY_PAUSE_S`, then raises; a request that gets no answer within ``timeout`` seconds raises (no retry: the
@@ -12,14 +13,20 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from trl_ext.serve.endpoint import DIR_HEADER, INFO_PATH, VERSION_HEADER
+from trl_ext.registry import ConfigError
+from trl_ext.serve.endpoint import DIR_HEADER, INFO_PATH, SHAPE_KEYS, VERSION_HEADER
 
 RETRY_PAUSE_S = 1.0
 """Seconds between a failed request and its one retry."""
 _TRANSIENT_STATUS = (502, 503, 504)
+MAX_CONCURRENT = 64
+"""Requests in flight at once from one trainer process (each a row)."""
+PROBE_TEXT = "Once upon a time, 42 + 7 = 49. <answer> ok </answer>"
+"""Text both tokenizers must split alike (`check_replicas`)."""
 
 
 class ServerError(RuntimeError):
@@ -141,3 +148,50 @@ class Replica:
         if len(rows) != len(ids):
             raise ServerError(f"{self} returned {len(rows)} prompt log-probs for {len(ids)} tokens")
         return [row[str(tok)]["logprob"] for row, tok in zip(rows[1:], ids[1:], strict=True)]
+
+
+_POOL: ThreadPoolExecutor | None = None
+"""The request threads, kept for the process: each keeps its HTTP session (`Replica`), so connections are reused
+from batch to batch."""
+
+
+def concurrently(fn, items: list) -> list:
+    """``[fn(x) for x in items]``, the calls sent from the process's request threads (`MAX_CONCURRENT`)."""
+    global _POOL
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(MAX_CONCURRENT, thread_name_prefix="trl_ext_serve")
+    return list(_POOL.map(fn, items))  # the first failure raises here: no row is dropped
+
+
+def check_replicas(replicas: list[Replica], tokenizer, max_len: int | None, role: str,
+                   model_config=None) -> list[dict]:  # fmt: skip
+    """Each server's ``info``, refused (ConfigError naming it) when it cannot serve this run: another tokenizer (the
+    probe text splits differently), a max_model_len below the run's longest sequence ``max_len``, sampled log-probs
+    other than ``processed_logprobs`` (the policy's; they would not be the behaviour log-probs), or, with
+    ``model_config`` (the policy's), another model (architecture or shape: the policy's checkpoints would not load)."""
+    infos = []
+    want = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+    for r in replicas:
+        info = r.info()
+        if (got := r.tokenize(PROBE_TEXT)) != want:
+            raise ConfigError(f"{role} {r} serves {info['model']!r}, whose tokenizer differs from the run's "
+                              f"({PROBE_TEXT!r}: {got[:12]} vs {want[:12]})")  # fmt: skip
+        if max_len is not None and info["max_model_len"] < max_len:
+            raise ConfigError(f"{role} {r}: max_model_len {info['max_model_len']} < the run's {max_len} tokens "
+                              "(prompt + completion); restart it with a larger --max-model-len")
+        if role == "policy server" and info["logprobs_mode"] != "processed_logprobs":
+            raise ConfigError(f"{role} {r} returns {info['logprobs_mode']}: start it with --logprobs-mode "
+                              "processed_logprobs (the behaviour log-probs are log_softmax(logits / T))")
+        if model_config is not None:
+            ours = {k: getattr(model_config, k, None) for k in SHAPE_KEYS}
+            ours["architectures"] = list(ours["architectures"] or []) or None  # none recorded: not compared
+            theirs = {k: info["shape"].get(k) for k in SHAPE_KEYS}
+            theirs["architectures"] = list(theirs["architectures"] or [])
+            differ = {k: (theirs[k], ours[k]) for k in SHAPE_KEYS if theirs[k] != ours[k] and ours[k] is not None}
+            if differ:
+                raise ConfigError(f"{role} {r} serves another model than the run's ({info['model']!r}; server vs "
+                                  f"run: {differ}): start it on --model")  # fmt: skip
+        infos.append(info)
+    return infos

@@ -1,5 +1,5 @@
 """The project's vLLM general plugin (``pyproject.toml``: entry point group ``vllm.general_plugins``, which vLLM loads
-in every one of its processes): registers the ``gloo`` weight-transfer engines (``trl_ext.serve.gloo_engine``) in
+in every one of its processes): registers the ``gloo`` weight-transfer backend (``trl_ext.serve.gloo_transfer``) in
 vLLM's worker and trainer factories by module path, so nothing is imported until a server or trainer uses them."""
 
 from __future__ import annotations
@@ -12,6 +12,6 @@ def register() -> None:
     for factory, name in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
                           (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):  # fmt: skip
         try:
-            factory.register_engine("gloo", "trl_ext.serve.gloo_engine", name)
+            factory.register_engine("gloo", "trl_ext.serve.gloo_transfer", name)
         except ValueError:  # registered already in this process
             pass

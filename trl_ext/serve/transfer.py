@@ -1,11 +1,11 @@
-"""Weights pushed into the policy's servers (``--vllm_weight_transfer nccl|gloo``) with vLLM's weight-transfer engines
+"""Weights pushed into the policy's servers (``--vllm_weight_transfer nccl|gloo``) with vLLM's weight-transfer backends
 (``vllm.distributed.weight_transfer``), instead of a checkpoint each server reloads (``files``).
 
 `WeightPusher` is a ``trl_ext.interfaces.EnginePublisher``, as ``trl_ext.vllm.publish.CheckpointPublisher``: every
 trainer process calls its ``publish(version, model)`` (a collective under FSDP2: each tensor is gathered from its
 shards, `PolicySource`); process 0 broadcasts the merged weights (``trl_ext.vllm.weights.merged_weights``) to every
-worker of every replica through vLLM's trainer engine (``WeightTransferTrainerFactory``; the ``gloo`` one is
-``trl_ext.serve.gloo_engine``), one group per replica. The control plane is the version gate's narrow routes
+worker of every replica through vLLM's trainer-side backend (``WeightTransferTrainerFactory``; the ``gloo`` one is
+``trl_ext.serve.gloo_transfer``), one group per replica. The control plane is the version gate's narrow routes
 (`GateClient` to ``trl_ext.serve.endpoint``): the server takes the push once no request runs, and answers requests of
 that version only after it has loaded every tensor. A push holds one version on the server: at k >= 1 the off-policy
 generator (``trl_ext.offpolicy.worker.RolloutWorker.publish``) pushes a version only once no batch still to be
@@ -54,6 +54,7 @@ except ImportError:  # without the vLLM extra the module imports (its tests' tab
         shape: tuple[int, ...]
 
 
+from trl_ext import compat
 from trl_ext.registry import ConfigError
 from trl_ext.serve.client import Replica, ServerError
 from trl_ext.serve.endpoint import PUSH_PATH
@@ -231,7 +232,7 @@ class WeightPusher:
         for client, info in zip(self.clients, infos, strict=True):
             world = 1 + int(info["world_size"])
             if backend == "gloo":
-                from trl_ext.serve.gloo_engine import GlooTrainerInitInfo
+                from trl_ext.serve.gloo_transfer import GlooTrainerInitInfo
 
                 init = GlooTrainerInitInfo(address, 0, world, timeout_s, rank=rank)
             else:
@@ -270,8 +271,7 @@ class WeightPusher:
         self.source.model = model
         meta = self.source.metadata()  # every process, first (a pass at the first publish: a collective)
         if not self.is_sender:  # the other processes take part in the gathers only (as in vLLM's send_weights)
-            self.sender._broadcast(self.source, meta)
-            self.sender._post_send_sync()
+            compat.send_weights(self.sender, self.source, meta)
             self.pushes += 1
             return
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
@@ -285,8 +285,7 @@ class WeightPusher:
             client.start_weight_update()
 
         def send() -> None:
-            self.sender._broadcast(self.source, meta)
-            self.sender._post_send_sync()
+            compat.send_weights(self.sender, self.source, meta)
 
         updates = {in_thread(c.update_weights, info): c.replica for c in self.clients}  # each waits for its tensors
         sending = in_thread(send)

@@ -88,7 +88,7 @@ class VLLMGeneration(Component):
             self.servers = transport.connect_policy_servers(t)
             if not self.offpolicy:  # TRL's generation path, IS correction and sync points, on the servers
                 self.transport = transport.server_transport(t, self.servers)
-                from trl_ext.serve.engine import ServerGeneration
+                from trl_ext.serve.generation import ServerGeneration
 
                 publisher = self.transport.pusher or self.transport.publisher
                 compat.install_vllm_generation(t, ServerGeneration(t, self.transport.sampler, publisher,

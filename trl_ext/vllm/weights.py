@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from trl_ext import compat
 from trl_ext.offpolicy.sharded import plain_name, whole
 
 
@@ -100,6 +101,6 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         for pname, param in module.named_parameters(recurse=False):
             yield f"{name}{pname}", whole(param)
         for bname, buf in module.named_buffers(recurse=False):
-            if bname not in module._non_persistent_buffers_set:
+            if compat.is_persistent_buffer(module, bname):
                 yield f"{name}{bname}", whole(buf)
 

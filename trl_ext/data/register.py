@@ -1,6 +1,6 @@
 """Registration of the reward-bound prompt sources (`trl_ext.parts.PROMPT_SOURCES` "stories", the default, and
-"dataset": ``--dataset``, `trl_ext.data`), scored by the ``--reward`` binding of ``--config``, and of TRL's eval loop
-(`trl_ext.parts.FEATURES` "eval_loop": ``--eval_dataset`` with ``--eval_strategy``)."""
+"dataset": ``--dataset``, `trl_ext.data.load`), scored by the ``--reward`` binding of ``--config``, and of TRL's eval
+loop (`trl_ext.parts.FEATURES` "eval_loop": ``--eval_dataset`` with ``--eval_strategy``)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def prompt_source(run) -> str:
 
 
 def check_reward_inputs(run, cfg, reward_config, data=None) -> None:
-    """The rewards' dataset columns against the prompts' (``data``: --dataset's `trl_ext.data.PromptData`; the story
-    prompts have none but "prompt"); a reward that reads more than texts cannot score --eval_baseline's text-only
+    """The rewards' dataset columns against the prompts' (``data``: --dataset's `trl_ext.data.load.PromptData`; the
+    story prompts have none but "prompt"); a reward that reads more than texts cannot score --eval_baseline's text-only
     samples."""
     names = [run.reward, *run.eval_reward_names, *[cfg.base_reward] * (cfg.base_reward is not None)]
     columns, source = (data.reward_columns, f"--dataset {data.source}") if data else ((), "the story prompts")
@@ -89,7 +89,7 @@ class Stories(RewardPrompts):
 
 
 class DatasetPrompts(RewardPrompts):
-    """``--dataset``: a file, a save_to_disk directory or a hub dataset, loaded at parse time (`trl_ext.data`); its
+    """``--dataset``: a file, a save_to_disk directory or a hub dataset, loaded at parse time (`trl_ext.data.load`); its
     other columns reach the reward functions. (With ``--env``, `load_run_data` refuses it.)"""
 
     def selected(self, run, cfg) -> bool:

@@ -1,16 +1,17 @@
-"""vLLM's weight-transfer engines over a gloo process group: the ``gloo`` backend of ``--vllm_weight_transfer``.
+"""vLLM's weight transfer over a gloo process group: the ``gloo`` backend of ``--vllm_weight_transfer`` (its classes
+keep vLLM's ``...WeightTransferEngine`` names, which vLLM's factories look up).
 
-vLLM's NCCL engines (``vllm/distributed/weight_transfer/nccl_engine.py``) push the trainer's weights into a
+vLLM's NCCL backend (``vllm/distributed/weight_transfer/nccl_engine.py``) pushes the trainer's weights into a
 server's workers: the trainer announces each parameter's name, dtype and shape (``update_weights``), then broadcasts
 the tensors from its rank 0 to every worker, which loads each one (``model.load_weights``) between vLLM's
-``start_weight_update`` and ``finish_weight_update`` (layerwise reload). Those engines need CUDA. These subclasses
+``start_weight_update`` and ``finish_weight_update`` (layerwise reload). That backend needs CUDA. These subclasses
 keep the whole protocol (the trainer's source, its metadata check, the routes, the worker's load) and replace only the
 communicator: a gloo group on a TCP store hosted by the trainer's process 0, one tensor per broadcast, on CPU. So
 CPU servers (and the vLLM tier's tests of this path) get weights without a shared filesystem.
 
 Every collective of the group (its rendezvous, each broadcast) times out after ``timeout_s`` (the trainer's
 ``--vllm_request_timeout``): a broadcast that a worker never receives raises then (gloo's send waits for the
-receiver). ``trl_ext.serve.transfer.WeightPusher`` sends through the trainer engine's ``_broadcast`` into every
+receiver). ``trl_ext.serve.transfer.WeightPusher`` sends through the trainer side's ``_broadcast`` into every
 replica's group at once (its ``Fanout`` stands for the group: each tensor is copied to the CPU once), and bounds the
 join and each publish itself.
 
@@ -31,6 +32,8 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferEngine,
     NCCLWeightTransferUpdateInfo,
 )
+
+from trl_ext import compat
 
 PREFIX = "trl_ext_weights"
 """The gloo group's key prefix in the trainer's TCP store."""
@@ -131,6 +134,6 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
             for _ in source:
                 pass
             return
-        for _name, tensor in self._checked_iter(source, meta):
+        for _name, tensor in compat.checked_weights(self, source, meta):
             self.model_update_group.broadcast([tensor.detach().to("cpu").contiguous()]).wait()
 

@@ -29,10 +29,10 @@ from trl_ext.generation.families import FAMILIES, fast_backend_refusal
 from trl_ext.generation.layers import DecodePlan, decode_layers, logits_of, prefill_masks, rope_tables, window_mask
 from trl_ext.generation.sampling import completions_from_steps, finish_step, sample_step
 from trl_ext.generation.weights import DecodeWeights, check_generation_safe
-from trl_ext.interfaces import Sampled, SamplingParams  # re-exported: serve/engine.py, generation/component.py, bench/
+from trl_ext.interfaces import Sampled, SamplingParams
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-__all__ = ["FastSampler", "Sampled", "SamplingParams", "decoder_of", "fast_backend_refusal", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["FastSampler", "decoder_of", "fast_backend_refusal", "SUPPORTED_MODEL_TYPES"]
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

@@ -1,5 +1,8 @@
-"""Registration of the fast sampler (`trl_ext.parts.GENERATION_SOURCES` "fast": ``--generation_backend fast``;
-`trl_ext.generation.sampler.FastSampler`, hooked into TRL's generation by `trl_ext.generation.component`)."""
+"""Registration of the generation sources (`trl_ext.parts.GENERATION_SOURCES`): the fast sampler ("fast":
+``--generation_backend fast``; `trl_ext.generation.fast.FastSampler`, hooked into TRL's generation by
+`trl_ext.generation.component`), TRL's own generation ("trl") and its continuous batching ("continuous_batching",
+selected by TRL's flag ``--use_transformers_continuous_batching``). vLLM's is ``trl_ext.vllm.register``, the off-policy
+generator's ``trl_ext.offpolicy.register``."""
 
 from __future__ import annotations
 
@@ -50,3 +53,25 @@ class Fast(GenerationSource):
 
 
 GENERATION_SOURCES.add("fast", Fast())
+
+
+class TrlGenerate(GenerationSource):
+    """TRL's synchronous generation (``--generation_backend trl``, ``--max_async_level 0``): supported everywhere."""
+
+    def selected(self, run, cfg) -> bool:
+        return cfg.generation_backend == "trl" and cfg.max_async_level == 0
+
+
+class TrlFlagGeneration(GenerationSource):
+    """One of TRL's other ways to generate, selected by its flag: not yet run on several processes nor sharded."""
+
+    def __init__(self, flag: str, what: str):
+        self.flags, self.what = (flag,), what
+
+    def supports(self, launch) -> str | None:
+        return launch.one_process(self.what) or launch.unsharded(self.what)
+
+
+GENERATION_SOURCES.add("trl", TrlGenerate())
+GENERATION_SOURCES.add("continuous_batching", TrlFlagGeneration("use_transformers_continuous_batching",
+                                                                "continuous-batching generation"))
