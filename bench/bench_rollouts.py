@@ -34,14 +34,14 @@ class Alternate(TrainerCallback):
     """Times each step and switches the writer on for odd blocks of ``steps`` steps after the warmup."""
 
     def __init__(self, steps: int, warmup: int):
-        self.steps, self.warmup, self.trainer, self.features = steps, warmup, None, None
+        self.steps, self.warmup, self.records, self.write = steps, warmup, None, None
         self.times: list[tuple[int, bool, float]] = []  # (block, writer on, seconds)
 
     def on_step_begin(self, args, state, control, **kw):
         k = state.global_step - self.warmup
         self.block = k // self.steps if k >= 0 else -1
         self.on = self.block >= 0 and self.block % 2 == 1
-        self.trainer._rollout_features = self.features if self.on else None
+        self.records.record = self.write if self.on else (lambda batch, ctx: None)
         self._t = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kw):
@@ -67,15 +67,15 @@ def main() -> None:
         )  # fmt: skip
         trainer = ExtGRPOTrainer(model=model_source("builtin"), reward_funcs=[happy_binary], args=cfg,
                                  train_dataset=data, processing_class=tok, callbacks=[timer])  # fmt: skip
-        timer.trainer, timer.features = trainer, trainer._rollout_features
-        write_times, write = [], trainer.write_rollouts
+        records = trainer.components.records  # the saved-rollouts component (trl_ext/runs/component.py)
+        write_times, write = [], records.record
 
         def timed_write(*args, **kwargs):
             t = time.perf_counter()
             write(*args, **kwargs)
             write_times.append(time.perf_counter() - t)
 
-        trainer.write_rollouts = timed_write
+        timer.records, timer.write = records, timed_write
         trainer.train()
     ratios = []
     for r in range(a.rounds):

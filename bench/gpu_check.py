@@ -110,7 +110,8 @@ def inspect_trainer(trainer, expected: str) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     model = trainer.model_wrapped if trainer.model_wrapped is not None else trainer.model
-    worker, ref = getattr(trainer, "_rollout_worker", None), getattr(trainer, "ref_model", None)
+    offpolicy = trainer.components.offpolicy
+    worker, ref = offpolicy.worker if offpolicy else None, getattr(trainer, "ref_model", None)
     devices = {"policy": _devices(model),
                "reference": _devices(ref) if ref is not None else "policy, adapters off" if trainer.beta else "none",
                "generator copy": _devices(worker.model) if worker is not None and worker.model is not None else "none"}
@@ -158,7 +159,8 @@ def child(result: str, argv: list[str]) -> int:
             self.info = self.info or inspect_trainer(self.trainer, expected)
 
         def on_train_end(self, args, state, control, **kw):  # the version the generator's copy holds at the end
-            worker = getattr(self.trainer, "_rollout_worker", None)
+            offpolicy = self.trainer.components.offpolicy
+            worker = offpolicy.worker if offpolicy else None
             self.version = worker.loaded_version if worker is not None else None
 
     plan = build_plan(argv)

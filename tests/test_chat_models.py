@@ -217,7 +217,7 @@ def test_single_turn_env_prompt_is_templated(chat_model, chat_tok, tmp_path, mon
 
 def spy_teacher_prompts(monkeypatch) -> list[list[list[int]]]:
     """Record the teacher's unpadded prompt ids of every chat-prompt teacher batch (`distill.teacher.teacher_batch`,
-    which `DistillMixin.score_teacher` calls for chat prompts only)."""
+    which `Distillation.score_teacher` calls for chat prompts only)."""
     import trl_ext.distill.component as distill
 
     seen, batch_fn = [], distill.teacher_batch

@@ -1,6 +1,7 @@
 """Features as components (trl_ext/components.py, docs/architecture.md): the trainer keeps the only override of each
 TRL hook, features hand each other data in the batch and its context (no private trainer attributes, no component
-naming another), and a new feature is one module (the toy below, written to a file and imported as a plugin)."""
+naming another), and a new feature is one module (docs/architecture.md's walk-through, written to a file and imported
+as a plugin)."""
 
 from __future__ import annotations
 
@@ -68,33 +69,14 @@ def test_every_component_module_registers_one_component_in_its_stage_order():
             assert list(mine.parameters) == list(base.parameters), f"{cls.__name__}.{name}{mine} vs {base}"
 
 
-TOY = '''
-"""A toy feature in one module: rewards clipped at ``clip`` (a trainer option), and the number clipped logged."""
+def _walkthrough_module() -> str:
+    """The toy feature of docs/architecture.md's walk-through ("Adding a feature"), as written there."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    section = doc[doc.index("## Adding a feature"):]
+    return section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
 
-import torch
 
-from trl_ext.components import Component, register
-
-
-@register
-class RewardClip(Component):
-    name, order, options = "toy_clip", 45, ("toy_clip",)
-
-    @classmethod
-    def wanted(cls, cfg, kwargs):
-        return kwargs.get("toy_clip") is not None
-
-    def __init__(self, trainer, kwargs, options):
-        super().__init__(trainer, kwargs, options)
-        self.clip = options["toy_clip"]
-
-    def rewards(self, ctx, rewards, prompts, completions):
-        self.clipped = int((rewards > self.clip).sum())
-        return rewards.clamp(max=self.clip)
-
-    def record(self, batch, ctx):
-        self.trainer.metrics(ctx.mode)["toy/clipped"].append(float(self.clipped))
-'''
+TOY = _walkthrough_module()
 
 
 @pytest.fixture
@@ -125,7 +107,7 @@ def _trainer(builtin_path, tmp_path, **kwargs):
 
 
 def test_a_feature_is_one_module(toy, builtin_path, tmp_path):
-    """The toy feature's one module, imported, takes part in the run: its option reaches it, its reward stage
+    """The walk-through's one module, imported, takes part in the run: its option reaches it, its reward stage
     clips (the logged rewards are at most the clip, and the length reward exceeds it unclipped), its record stage
     logs; nothing else was edited."""
     trainer = _trainer(builtin_path, tmp_path, toy_clip=3.0)

@@ -184,3 +184,11 @@ def test_no_think_rl_trains_on_bare_answer(tok, tmp_path):
         _metrics=trainer._metrics, model=trainer.model, accelerator=trainer.accelerator))  # fmt: skip
     bare = ids(tok, "<answer>up</answer>")
     assert out["completion_ids"][0] == bare + [1] and out["env_mask"][0] == [1] * len(bare) + [0]
+
+
+def test_no_think_rl_off_policy_is_refused_by_the_config_itself(tmp_path):
+    """The Python API's config refuses it as train.py does (its answer rewrite leaves no behaviour log-probs)."""
+    from trl_ext.registry import ConfigError
+
+    with pytest.raises(ConfigError, match="no behaviour log-probs"):
+        train_config(output_dir=str(tmp_path), report_to=[], env="frozenlake", max_async_level=1, no_think_rl=True)

@@ -246,7 +246,8 @@ class _Stub(Distillation):
             raise AssertionError("the behaviour log-probs are in the batch: no forward of the policy may run")
 
         self.trainer = SimpleNamespace(model=SimpleNamespace(training=True), num_generations=2,
-                                       metrics=lambda mode=None: metrics["train"], _get_per_token_logps_and_entropies=no_forward,
+                                       metrics=lambda mode=None: metrics["train"],
+                                       _get_per_token_logps_and_entropies=no_forward,
                                        accelerator=SimpleNamespace(num_processes=1, process_index=0))  # fmt: skip
         self.cfg, self.task, self._lp_teacher = cfg, task, lp_teacher
 

@@ -1,8 +1,11 @@
 """The registries a train.py run is assembled from, one per kind (verl's style): where the prompts come from
 (`PROMPT_SOURCES`), what samples the completions (`GENERATION_SOURCES`) and the features (`FEATURES`).
 
-Each entry is a `Part`, registered by its own subpackage's module (``trl_ext/routing/register.py``,
-``trl_ext/env/register.py`` ...; `MODULES` lists them, in the order their parts are asked in). A part declares
+A part is how train.py assembles a feature (its flags, checks and refusals, and the trainer keyword arguments it
+builds); what the feature then does inside the trainer is its component (`trl_ext.components`). Part classes are
+named ``<Feature>Part``. Each entry is a `Part`, registered by its own subpackage's module
+(``trl_ext/routing/register.py``, ``trl_ext/env/register.py`` ...; `MODULES` lists them, in the order their parts are
+asked in). A part declares
 
 - when it is selected (`Part.selected`: a predicate on the parsed RunArgs / ExtGRPOConfig) and the flags that
   engage it (`Part.flags`, read by `Part.flag`);

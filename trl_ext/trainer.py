@@ -67,7 +67,7 @@ class ExtGRPOTrainer(RunLifecycle, GRPOTrainer):
 
         named = trainer_arguments(args, kwargs)
         self.batch_context = None
-        """The generation batch's context while its stages run (`trl_ext.components.BatchContext`)."""
+        """The generation batch's context while its stages run (`trl_ext.batch.BatchContext`)."""
         self._loss_inputs = None  # the micro-batch whose loss forward is next (`loss_logps`)
         self._loss_logps: torch.Tensor | None = None
         self.components = comp.build(self, named["args"], named)

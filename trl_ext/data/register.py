@@ -49,7 +49,7 @@ def check_story_source(run) -> None:
                           "own prompts)") from None
 
 
-class RewardPrompts(PromptSource):
+class RewardPromptsPart(PromptSource):
     """Prompts scored by the ``--reward`` binding of ``--config``."""
 
     def check_args(self, run, cfg) -> None:
@@ -70,7 +70,7 @@ class RewardPrompts(PromptSource):
         return trl_reward_args(plan.run.reward, plan.reward_config.reward(plan.run.reward))  # a reward model: its path
 
 
-class Stories(RewardPrompts):
+class StoriesPart(RewardPromptsPart):
     """Story prompt prefixes (``--prompts``, `environments.stories.load_prompts`): a run's prompts by default."""
 
     fallback = True
@@ -88,7 +88,7 @@ class Stories(RewardPrompts):
         return dataset, self.rewards(build.plan)
 
 
-class DatasetPrompts(RewardPrompts):
+class DatasetPromptsPart(RewardPromptsPart):
     """``--dataset``: a file, a save_to_disk directory or a hub dataset, loaded at parse time (`trl_ext.data.load`); its
     other columns reach the reward functions. (With ``--env``, `load_run_data` refuses it.)"""
 
@@ -102,7 +102,7 @@ class DatasetPrompts(RewardPrompts):
         return ["--reward", run.reward, "--dataset", run.dataset], run  # compared with the default run on the same data
 
 
-class EvalLoop(Feature):
+class EvalLoopPart(Feature):
     """TRL's eval loop on ``--eval_dataset`` (``--eval_strategy steps|epoch``). Under FSDP2 too (TRL generates from the
     sharded model, as in training: tests/test_procs_runs.py); not under DeepSpeed: not run there yet."""
 
@@ -119,6 +119,6 @@ class EvalLoop(Feature):
         build.kwargs["eval_dataset"] = build.plan.eval_data.dataset
 
 
-PROMPT_SOURCES.add("stories", Stories())
-PROMPT_SOURCES.add("dataset", DatasetPrompts())
-FEATURES.add("eval_loop", EvalLoop())
+PROMPT_SOURCES.add("stories", StoriesPart())
+PROMPT_SOURCES.add("dataset", DatasetPromptsPart())
+FEATURES.add("eval_loop", EvalLoopPart())

@@ -30,8 +30,9 @@ def eval_baseline(trainer, prompts: list[str], scorers: dict[str, callable]) -> 
     try:
         for side in ("student", "teacher"):
             teacher_side = side == "teacher"
-            scope = trainer.components.distill.teacher_scope() if teacher_side else nullcontext(policy)
-            x, m = trainer.components.distill.teacher_prompt_ids(prompt_ids, prompt_mask) if teacher_side else (prompt_ids, prompt_mask)
+            distill = trainer.components.distill
+            scope = distill.teacher_scope() if teacher_side else nullcontext(policy)
+            x, m = distill.teacher_prompt_ids(prompt_ids, prompt_mask) if teacher_side else (prompt_ids, prompt_mask)
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), scope as model:
                 torch.manual_seed(trainer.args.seed)
                 out = model.generate(input_ids=x, attention_mask=m, generation_config=trainer.generation_config)

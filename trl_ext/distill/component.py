@@ -16,8 +16,8 @@ One step with distillation on (``--teacher_tau > 0``, ``--student_tau > 0`` or `
    several processes the log-probs are gathered (TRL places a group's members wherever its sampler puts them).
 3. estimator stage (``trl_ext.estimator``): distillation's advantages (no std scaling) replace TRL's, or a routing
    arm renormalises distillation's reward.
-4. loss stage (`Distillation.around_loss` and `loss_logps`, token path ``--no_use_full_reward_baseline``): right after the loss computes
-   the current log-probs, ``token_kl_bonus`` is added to the advantages of that micro-batch (the loss, TRL's or
+4. loss stage (`Distillation.around_loss` and `loss_logps`, token path ``--no_use_full_reward_baseline``): right
+   after the loss computes the current log-probs, ``token_kl_bonus`` is added to the advantages of that micro-batch (the loss, TRL's or
    the off-policy one, reads the advantages after its log-prob forward).
 
 The teacher, in order: ``--teacher_model`` (a second, frozen model: one more copy of its weights in memory);

@@ -6,7 +6,7 @@ from trl_ext.distill.args import DistillArgs
 from trl_ext.parts import FEATURES, Feature
 
 
-class Distill(Feature):
+class DistillPart(Feature):
     """Teacher context distillation and ``--eval_baseline``. Under FSDP2: the teacher is the sharded policy with its
     adapters disabled (every process scores its rows, FSDP2 gathers each layer), or ``--teacher_model``, an unsharded
     frozen copy on every process; ``--eval_baseline`` samples before the Trainer shards the policy. Not under
@@ -38,4 +38,4 @@ class Distill(Feature):
         barrier()
 
 
-FEATURES.add("distill", Distill())
+FEATURES.add("distill", DistillPart())

@@ -48,6 +48,9 @@ class EnvArgs:
     )
 
     def validate_env(self) -> None:
+        if self.max_async_level > 0 and self.no_think_rl:
+            raise ConfigError("--no_think_rl rewrites the sampled answer, so its tokens have no behaviour log-probs: "
+                              "it needs --max_async_level 0")  # fmt: skip
         if self.adv_estimator:
             ADV_ESTIMATORS.get(self.adv_estimator)  # ConfigError listing the estimators
             if self.multi_objective_aggregation != "sum_then_normalize":

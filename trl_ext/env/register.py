@@ -12,7 +12,7 @@ from trl_ext.registry import ConfigError
 from trl_ext.sft import SFTArgs
 
 
-class EnvPrompts(PromptSource):
+class EnvPromptsPart(PromptSource):
     """``--env``: levels of one environment, or a mixture's shares (`trl_ext.env.episodes.mixture_dataset`)."""
 
     def selected(self, run, cfg) -> bool:
@@ -26,9 +26,6 @@ class EnvPrompts(PromptSource):
 
         if run.reward or run.eval_reward_names:
             raise ConfigError("--env and --reward/--eval_rewards exclude each other: the environment gives the reward")
-        if cfg.max_async_level > 0 and cfg.no_think_rl:
-            raise ConfigError("--no_think_rl rewrites the sampled answer, so its tokens have no behaviour log-probs: "
-                              "it needs --max_async_level 0")  # fmt: skip
         if run.model in STORY_MODELS:
             raise ConfigError(f"--env needs --model {BUILTIN_ENV} (or an instruct model): the {run.model} model's "
                               "tokenizer has no symbols for the environments' text (< > _ * # digits)")  # fmt: skip
@@ -48,10 +45,10 @@ class EnvPrompts(PromptSource):
         return ["--env", cfg.env], dataclasses.replace(run, reward=f"{cfg.mode}-{env_tag(cfg.env)}")
 
 
-PROMPT_SOURCES.add("env", EnvPrompts())
+PROMPT_SOURCES.add("env", EnvPromptsPart())
 
 
-class Env(Feature):
+class EnvPart(Feature):
     """The environments' flags (levels, turns, advantage estimators, ``--no_think_rl``), read by the trainer's episode
     loop and estimators. Under FSDP2 the synchronous episode loop plays in lockstep over the processes (TRL generates
     from the sharded model, each forward a collective: `trl_ext.env.component`); the off-policy generator plays on its
@@ -64,7 +61,7 @@ class Env(Feature):
         return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
 
-class Sft(Feature):
+class SftPart(Feature):
     """``--mode sft``: TRL's SFTTrainer on an environment's BFS trajectories (`trl_ext.sft.run_sft`) instead of GRPO.
     Under FSDP2 it trains sharded, and the main process merges, saves and validates a plain copy loaded with the
     whole parameters gathered from the shards (`trl_ext.sft.gather_into`). Not under DeepSpeed: not run there."""
@@ -93,5 +90,5 @@ class Sft(Feature):
         return run_sft(plan)
 
 
-FEATURES.add("env", Env())
-FEATURES.add("sft", Sft())
+FEATURES.add("env", EnvPart())
+FEATURES.add("sft", SftPart())

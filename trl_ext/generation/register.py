@@ -29,7 +29,7 @@ FSDP_REASON = ("at k = 0 it samples from the policy, reading each projection's w
                "copy, gathered whole from the shards)")
 
 
-class Fast(GenerationSource):
+class FastPart(GenerationSource):
     """The fast sampler, synchronous or in the off-policy generator. Under FSDP2 only in the off-policy generator,
     whose copy is gathered whole from the shards (`FSDP_REASON`); not under DeepSpeed."""
 
@@ -52,17 +52,17 @@ class Fast(GenerationSource):
         check_generation_backend(plan.run, plan.cfg)
 
 
-GENERATION_SOURCES.add("fast", Fast())
+GENERATION_SOURCES.add("fast", FastPart())
 
 
-class TrlGenerate(GenerationSource):
+class TrlGeneratePart(GenerationSource):
     """TRL's synchronous generation (``--generation_backend trl``, ``--max_async_level 0``): supported everywhere."""
 
     def selected(self, run, cfg) -> bool:
         return cfg.generation_backend == "trl" and cfg.max_async_level == 0
 
 
-class TrlFlagGeneration(GenerationSource):
+class TrlFlagGenerationPart(GenerationSource):
     """One of TRL's other ways to generate, selected by its flag: not yet run on several processes nor sharded."""
 
     def __init__(self, flag: str, what: str):
@@ -72,6 +72,6 @@ class TrlFlagGeneration(GenerationSource):
         return launch.one_process(self.what) or launch.unsharded(self.what)
 
 
-GENERATION_SOURCES.add("trl", TrlGenerate())
-GENERATION_SOURCES.add("continuous_batching", TrlFlagGeneration("use_transformers_continuous_batching",
+GENERATION_SOURCES.add("trl", TrlGeneratePart())
+GENERATION_SOURCES.add("continuous_batching", TrlFlagGenerationPart("use_transformers_continuous_batching",
                                                                 "continuous-batching generation"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from trl_ext.parts import FEATURES, Feature
 
 
-class Lora(Feature):
+class LoraPart(Feature):
     """PEFT LoRA (``--lora_rank``) and the adapter targets of dual LoRA: checked against ``--model``'s structure (its
     config only; `routing.args.check_run_adapters` sets ``run.lora_targets``)."""
 
@@ -28,7 +28,7 @@ class Lora(Feature):
                                                      **run.lora_targets.peft_kwargs())  # fmt: skip
 
 
-class RebuildBuiltin(Feature):
+class RebuildBuiltinPart(Feature):
     """``--rebuild_builtin``: one process only, as every process would rebuild the model into the same directory."""
 
     what = "rebuilding the builtin model (every process would rebuild it)"
@@ -38,5 +38,5 @@ class RebuildBuiltin(Feature):
         return launch.one_process(self.what)
 
 
-FEATURES.add("lora", Lora())
-FEATURES.add("rebuild_builtin", RebuildBuiltin())
+FEATURES.add("lora", LoraPart())
+FEATURES.add("rebuild_builtin", RebuildBuiltinPart())

@@ -1,10 +1,11 @@
-"""Off-policy training as a component (`OffPolicy`); the flags are ``trl_ext.offpolicy.args``. The rollout machinery is in ``trl_ext.offpolicy.worker``, the loss in ``trl_ext.offpolicy.importance``.
+"""Off-policy training as a component (`OffPolicy`); the flags are ``trl_ext.offpolicy.args``. The rollout machinery
+is in ``trl_ext.offpolicy.worker``, the loss in ``trl_ext.offpolicy.importance``.
 
 With ``max_async_level = 0`` (the default) nothing changes: TRL's own synchronous generation and loss run untouched.
 With k > 0 a generator thread samples batches ahead of the trainer (``trl_ext.offpolicy.worker`` has the schedule; the
 sampler is the one ``--generation_backend`` names, ``trl_ext.generation.backends``, announced once in train.log) and
-every training step uses the masked importance-sampling loss of prime-rl (``trl_ext.offpolicy.importance``) with the recorded behaviour
-log-probs, whatever the masks are set to: with the masks off (``importance.NO_MASK``) it is REINFORCE weighted by the
+every training step uses the masked importance-sampling loss of prime-rl (``trl_ext.offpolicy.importance``) with the
+recorded behaviour log-probs, whatever the masks are set to: with the masks off (``importance.NO_MASK``) it is REINFORCE weighted by the
 plain importance ratio. TRL's PPO clip (epsilon, delta), its sequence-level IS, entropy masks and bonus do not apply
 to that loss and must stay at their defaults. The KL penalty to the reference model (beta) is TRL's k3 estimator on
 the tokens the masks keep, times the policy term's clipped ratio when use_bias_correction_kl (TRL's default; TRL
@@ -37,7 +38,8 @@ from trl_ext.registry import ConfigError
 
 class _Generator(TrainerCallback):
     """The generator's lifecycle: started when training begins (at the restored step on a resume), a publish after
-    every optimizer step, stopped when training ends (and by the trainer's ``train`` when it raises)."""
+    every optimizer step; stopped by `OffPolicy.close` when the trainer's ``train`` returns or raises (after every
+    callback's ``on_train_end``, which may still read the generator)."""
 
     def __init__(self, component):
         self.component = component
@@ -48,9 +50,6 @@ class _Generator(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step < state.max_steps:  # the last step's policy samples no batch that is trained
             self.component.publish(state.global_step)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.component.close()
 
 
 @register

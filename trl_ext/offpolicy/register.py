@@ -10,7 +10,7 @@ from trl_ext.parts import FEATURES, GENERATION_SOURCES, Feature, GenerationSourc
 from trl_ext.registry import ConfigError
 
 
-class OffPolicy(Feature):
+class OffPolicyPart(Feature):
     """The off-policy loss and the asynchronous generator (``--max_async_level``; the trainer reads its flags). Under
     FSDP2 the generator's plain copy is loaded with whole tensors gathered from the shards at its start and at each
     publish (`trl_ext.offpolicy.sharded`); not under DeepSpeed (not run there)."""
@@ -22,7 +22,7 @@ class OffPolicy(Feature):
         return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
 
-FEATURES.add("offpolicy", OffPolicy())
+FEATURES.add("offpolicy", OffPolicyPart())
 
 
 def check_offpolicy_dropout(run, cfg) -> None:
@@ -48,7 +48,7 @@ def check_offpolicy_dropout(run, cfg) -> None:
                           "generator does not (the importance ratio would not be 1 at lag 0): pass --disable_dropout")
 
 
-class OffPolicyGenerator(GenerationSource):
+class OffPolicyGeneratorPart(GenerationSource):
     """The generator thread of ``--max_async_level >= 1``. Under FSDP2 its plain copy is made before the Trainer
     shards the policy and loaded with the gathered whole weights (`trl_ext.offpolicy.sharded`); not under DeepSpeed."""
 
@@ -65,4 +65,4 @@ class OffPolicyGenerator(GenerationSource):
         check_offpolicy_dropout(plan.run, plan.cfg)
 
 
-GENERATION_SOURCES.add("offpolicy", OffPolicyGenerator())
+GENERATION_SOURCES.add("offpolicy", OffPolicyGeneratorPart())

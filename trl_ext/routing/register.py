@@ -6,7 +6,7 @@ from trl_ext.parts import FEATURES, Feature
 from trl_ext.routing.args import RoutingArgs
 
 
-class Routing(Feature):
+class RoutingPart(Feature):
     """The RH detector (checked and monitored in every run, routed or not) and, with a dual adapter config, the dual
     LoRA / MLP adapters and gradient routing. Under FSDP2 (`trl_ext.routing.distributed`: each backward reduce-scatters
     into the shards, a routed-away side's shard restored; the routing eval generates from the sharded model as TRL
@@ -36,4 +36,4 @@ class Routing(Feature):
         build.kwargs.update(kwargs)
 
 
-FEATURES.add("routing", Routing())
+FEATURES.add("routing", RoutingPart())

@@ -6,7 +6,7 @@ from __future__ import annotations
 from trl_ext.parts import FEATURES, Feature
 
 
-class SavedRollouts(Feature):
+class SavedRolloutsPart(Feature):
     """Every trained sample written to ``{run_dir}/rollouts/`` (the trainer reads the flag). Under FSDP2 too (rows, not
     parameters: tests/test_procs_runs.py); not under DeepSpeed: not run there yet."""
 
@@ -17,4 +17,4 @@ class SavedRollouts(Feature):
         return None if launch.sharding == "FSDP" else launch.unsharded(self.what)
 
 
-FEATURES.add("saved_rollouts", SavedRollouts())
+FEATURES.add("saved_rollouts", SavedRolloutsPart())

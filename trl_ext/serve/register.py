@@ -10,7 +10,7 @@ from trl_ext.parts import FEATURES, Feature
 from trl_ext.serve.args import ServeArgs
 
 
-class Serve(Feature):
+class ServePart(Feature):
     """Policy and teacher servers (``trl_ext.serve``), from one trainer process or several (DDP, FSDP2: the weights
     are published once per step, streamed from the shards). Not under DeepSpeed: not run there."""
 
@@ -39,7 +39,7 @@ class Serve(Feature):
             check_reachable(server_urls(cfg, teacher=True), cfg.vllm_server_timeout, "teacher server")
 
 
-SERVE = Serve()
+SERVE = ServePart()
 FEATURES.add("serve", SERVE)
 
 

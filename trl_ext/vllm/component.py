@@ -6,8 +6,8 @@
   on CPU, where vLLM prepacks the linear weights and in-place loading fails.
 - ``--max_async_level >= 1``: TRL builds no engine (it is given the arguments with ``use_vllm`` off, so it neither
   starts one nor recomputes old log-probs); the off-policy generator samples with its own `VLLMEngine`
-  (`trl_ext.transport.generator_transport`), loading each published checkpoint (``trl_ext.vllm.publish``: written once per node per step,
-  streamed from the trained, possibly FSDP2-sharded, model).
+  (`trl_ext.transport.generator_transport`), loading each published checkpoint (``trl_ext.vllm.publish``: written
+  once per node per step, streamed from the trained, possibly FSDP2-sharded, model).
 - ``--vllm_mode server`` (either k): the policy's vLLM servers (``trl_ext.serve``) instead of an engine in process:
   the same published checkpoints, written under the servers' weights directory, loaded by each request's version.
 """
@@ -103,7 +103,10 @@ class VLLMGeneration(Component):
                               f"{reason}")
         if not (self.offpolicy or self.servers_on):  # TRL's colocate engine: the project's weight sync
             generation = t.vllm_generation
-            compat.replace_colocate_sync(generation, lambda: sync_colocate(generation, t.accelerator.unwrap_model(t.model)))
+            def sync() -> None:  # the policy as prepared for training, read at every sync
+                sync_colocate(generation, t.accelerator.unwrap_model(t.model))
+
+            compat.replace_colocate_sync(generation, sync)
 
     def describe(self) -> str:
         """train.log's line on where vLLM generates."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from trl_ext.parts import GENERATION_SOURCES, GenerationSource
 
 
-class VLLM(GenerationSource):
+class VLLMPart(GenerationSource):
     """vLLM generation on one or several processes (each process its own engine), under DDP or FSDP2 (the weights
     reach the engines streamed from the shards: ``trl_ext.vllm.weights``); not under DeepSpeed."""
 
@@ -31,4 +31,4 @@ class VLLM(GenerationSource):
         check_model(config, cuda=torch.cuda.is_available())
 
 
-GENERATION_SOURCES.add("vllm", VLLM())
+GENERATION_SOURCES.add("vllm", VLLMPart())
