@@ -174,16 +174,20 @@ def refresh_once(orig):
 
 
 def gather_nothing_for_publishes(orig):
-    """full_parameters of a sharded model with trainable_only (each publish to the generator) gathers as before (the
-    collective runs on every process) but returns nothing: the generator's plain copy keeps its starting weights."""
+    """iter_whole of a sharded model with trainable_only (each publish to the generator: written in place, or a
+    snapshot) gathers as before (the collective runs on every process) but yields nothing: the generator's plain copy
+    keeps its starting weights."""
 
-    def full_parameters(model, trainable_only):
+    def iter_whole(model, trainable_only=False):
         from trl_ext.offpolicy.sharded import is_sharded
 
-        state = orig(model, trainable_only)
-        return {} if trainable_only and is_sharded(model) else state
+        if not (trainable_only and is_sharded(model)):
+            yield from orig(model, trainable_only)
+            return
+        for _ in orig(model, trainable_only):
+            pass
 
-    return full_parameters
+    return iter_whole
 
 
 def _first_version(versions: list[list[int]]) -> list[list[int]]:

@@ -206,7 +206,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
     M("fsdp2_generator_gather",
       "docs/scale-out.md: off-policy under FSDP2, at each publish the trainable parameters are gathered whole from "
       "the shards into the generator's plain copy",
-      "trl_ext.offpolicy.sharded", "full_parameters", gather_nothing_for_publishes,
+      "trl_ext.offpolicy.sharded", "iter_whole", gather_nothing_for_publishes,
       ("tests/test_fsdp_features.py::test_offpolicy_generator_follows_the_sharded_policy",)),
     # ---- off-policy generator: versions
     M("inflight_version_stamp",
