@@ -171,11 +171,10 @@ class Routing(Component):
 
     def needs_every_reward(self) -> str | None:
         a = self.cfg
-        if a.labelled or a.needs_base_reward:
-            return "gradient routing's labels and base reward"
-        if a.dual_lora and a.eval_routing_steps > 0:
-            return "the routing eval's mean rewards"
-        return None
+        needs = [what for what, on in (("gradient routing's labels and base reward", a.labelled or a.needs_base_reward),
+                                       ("the routing eval's mean rewards", a.dual_lora and a.eval_routing_steps > 0))
+                 if on]  # fmt: skip
+        return ", ".join(needs) or None
 
     # ------------------------------------------------------------------ 2. rewards
     def rewards(self, ctx: BatchContext, rewards: torch.Tensor, prompts: list, completions: list) -> torch.Tensor:
