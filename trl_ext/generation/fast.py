@@ -27,7 +27,7 @@ from trl.trainer.utils import pad
 
 from trl_ext.generation.families import FAMILIES, fast_backend_refusal
 from trl_ext.generation.layers import DecodePlan, decode_layers, logits_of, prefill_masks, rope_tables, window_mask
-from trl_ext.generation.sampling import completions_from_steps, finish_step, sample_step
+from trl_ext.generation.sampling import completions_from_steps, finish_step, left_padded, sample_step
 from trl_ext.generation.weights import DecodeWeights, check_generation_safe
 from trl_ext.interfaces import Sampled, SamplingParams
 
@@ -122,12 +122,9 @@ class FastSampler:
         before every forward pass (t = 0 is the prefill); it may load new weights in place and returns the version
         that produces token t (without it every token is version 0).
         """
-        if not prompt_ids or min(len(p) for p in prompt_ids) == 0:
-            raise ValueError("every prompt needs at least one token")
         check_generation_safe(self.model)
         device = next(self.model.parameters()).device
-        rows = [torch.tensor(p, dtype=torch.long, device=device) for p in prompt_ids]
-        ids = pad(rows, padding_value=params.pad_token_id, padding_side="left")
+        rows, ids = left_padded(prompt_ids, params.pad_token_id, device)
         prompt_mask = pad([torch.ones_like(r, dtype=torch.bool) for r in rows], padding_value=False,
                           padding_side="left")  # fmt: skip
         versions = [before_step(0) if before_step is not None else 0]

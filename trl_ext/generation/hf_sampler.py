@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from trl.trainer.utils import pad
 
-from trl_ext.generation.sampling import completions_from_steps, finish_step, sample_step
+from trl_ext.generation.sampling import completions_from_steps, finish_step, left_padded, sample_step
 from trl_ext.interfaces import Sampled, SamplingParams
 
 
@@ -92,12 +92,9 @@ class HFSampler:
         every forward pass (t = 0 is the prefill); it may load new weights in place (the cache of earlier tokens is
         kept) and returns the version that produces token t (without it every token is version 0).
         """
-        if not prompt_ids or min(len(p) for p in prompt_ids) == 0:
-            raise ValueError("every prompt needs at least one token")
         check_no_active_dropout(self.model)
         device = next(self.model.parameters()).device
-        rows = [torch.tensor(p, dtype=torch.long, device=device) for p in prompt_ids]
-        ids = pad(rows, padding_value=params.pad_token_id, padding_side="left")
+        rows, ids = left_padded(prompt_ids, params.pad_token_id, device)
         b, p, n_max = ids.size(0), ids.size(1), params.max_new_tokens
         attention = torch.ones(b, p + n_max, dtype=torch.long, device=device)  # generated tokens: 1, as generate
         attention[:, :p] = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left")

@@ -69,3 +69,14 @@ def completions_from_steps(tokens: Tensor, logps: Tensor, alive: Tensor) -> tupl
     tok_rows, lp_rows = tokens.cpu().tolist(), logps.cpu().tolist()
     return ([row[:n] for row, n in zip(tok_rows, lengths, strict=True)],
             [row[:n] for row, n in zip(lp_rows, lengths, strict=True)])  # fmt: skip
+
+
+def left_padded(prompt_ids: list[list[int]], pad_token_id: int, device) -> tuple[list[Tensor], Tensor]:
+    """(each prompt as a tensor, the prompts as one left-padded ``[B, P]`` batch) on ``device``: how both samplers
+    take their prompts. Every prompt needs a token."""
+    from trl.trainer.utils import pad
+
+    if not prompt_ids or min(len(p) for p in prompt_ids) == 0:
+        raise ValueError("every prompt needs at least one token")
+    rows = [torch.tensor(p, dtype=torch.long, device=device) for p in prompt_ids]
+    return rows, pad(rows, padding_value=pad_token_id, padding_side="left")
