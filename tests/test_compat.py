@@ -172,7 +172,7 @@ ROUTED = {  # code (not comments or docstrings) -> the compat function that does
     r"\._get_output_dir\b": "output_dir_of",
     r"\._metrics\b": "trl_metrics / finish_training_step",
     r"\._logs\b": "trl_logs",
-    r"\._step\b": "steps_done / at_generation_boundary / new_generation_batch_due / finish_training_step",
+    r"\._step\b": "at_generation_boundary / new_generation_batch_due / finish_training_step",
     r"\._buffered_inputs\b": "new_generation_batch_due / reset_buffered_inputs",
     r"\._current_train_step_time\b": "finish_training_step",
     r"\._tokenizer\b": "trl_tokenizer",
@@ -180,7 +180,7 @@ ROUTED = {  # code (not comments or docstrings) -> the compat function that does
     r"(?<!\bself)(?<!super\(\))(?<!\bGRPOTrainer)\._tokenize_prompts\b": "tokenize_prompts",
     r"(?<!\bself)(?<!super\(\))(?<!\bGRPOTrainer)\._generate_single_turn\b": "generate_single_turn",
     r"(?<!\bself)(?<!super\(\))(?<!\bGRPOTrainer)\._get_per_token_logps_and_entropies\b": "per_token_logps",
-    r"\bself\._get_per_token_logps_and_entropies\s*=": "capture_per_token_logps",
+    r"\bself\._get_per_token_logps_and_entropies\s*=": "(no instance patch: the components' loss_logps stage)",
     r"__wrapped__": "is_trl_fused_head_forward",
     r"\bvllm_generation\.LLM\b|\bvllm_generation import\b[^\n]*\bLLM\b": "swap_trl_vllm_llm",
     r"\bdriver_worker\b": "colocate_model_runner",
@@ -276,21 +276,10 @@ def test_trl_step_bookkeeping():
     for _ in range(4):
         due.append(compat.new_generation_batch_due(trainer))
         compat.finish_training_step(trainer, started_at=0.0)
-    assert due == [True, False, True, False] and compat.steps_done(trainer) == 4
+    assert due == [True, False, True, False] and trainer._step == 4
     assert len(compat.trl_metrics(trainer)["step_time"]) == 2 and trainer._current_train_step_time == 0.0
     compat.reset_buffered_inputs(trainer)
     assert trainer._buffered_inputs is None and compat.trl_metrics(trainer, "eval") == {}
-
-
-def test_capture_per_token_logps():
-    class Trainer:
-        def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-            return (f"lp of {model}", None)
-
-    trainer = Trainer()
-    with compat.capture_per_token_logps(trainer) as seen:
-        assert compat.per_token_logps(trainer, "m", None, None, 1)[0] == "lp of m"
-    assert seen == ["lp of m"] and "_get_per_token_logps_and_entropies" not in vars(trainer)
 
 
 def test_trl_fused_head_forward_is_recognised():

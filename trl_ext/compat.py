@@ -211,12 +211,6 @@ def trl_logs(trainer) -> dict:
 
 
 @reaches("trl.GRPOTrainer._step", versions=TRL)
-def steps_done(trainer) -> int:
-    """TRL's count of ``training_step`` calls (micro-batches), the position in its generation buffer."""
-    return trainer._step
-
-
-@reaches("trl.GRPOTrainer._step", versions=TRL)
 def at_generation_boundary(trainer) -> bool:
     """Whether TRL's next ``_prepare_inputs`` starts a generation batch (``_step`` at a multiple of its length)."""
     return trainer._step % (trainer.args.steps_per_generation * trainer.num_iterations) == 0
@@ -270,25 +264,6 @@ def per_token_logps(trainer, model, input_ids, attention_mask, logits_to_keep: i
     """``(log-probs, entropies or None, aux loss or None)`` of the last ``logits_to_keep`` tokens, the trainer's way."""
     return trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                       compute_entropy=compute_entropy)  # fmt: skip
-
-
-@reaches("trl.GRPOTrainer._get_per_token_logps_and_entropies", versions=TRL)
-@contextmanager
-def capture_per_token_logps(trainer):
-    """Within: every ``_get_per_token_logps_and_entropies`` of ``trainer`` records its log-probs in the yielded list."""
-    seen: list = []
-    method = type(trainer)._get_per_token_logps_and_entropies
-
-    def capture(*args, **kwargs):
-        out = method(trainer, *args, **kwargs)
-        seen.append(out[0])
-        return out
-
-    trainer._get_per_token_logps_and_entropies = capture  # an instance attribute, over the class's method
-    try:
-        yield seen
-    finally:
-        del trainer._get_per_token_logps_and_entropies
 
 
 @reaches("trl.trainer.utils.add_fused_lm_head", versions=TRL)
