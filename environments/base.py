@@ -329,6 +329,7 @@ class Trajectory:
     truncated: bool = False  # max_turns ran out first
     prefill: str = ""  # the environment's ``prefill``: ends every prompt, the agent's text continues it
     env: str = ""  # the environment's name (a mixture's episodes differ in it; empty where no one set it)
+    final: dict = field(default_factory=dict)  # a tool environment's ``episode_info()`` at the end (detectors, metrics)
 
     def add(self, agent: str, result: StepResult) -> None:
         self.turns.append(Turn(agent, feedback_text(result), result.reward, result.info["valid"], result.info))

@@ -174,14 +174,17 @@ def test_trainer_runs_the_tool_loop(tools_model, tmp_path, feature):
     ex = _example()
     trainer = ex.build_trainer(tools_model, feature, max_steps=2, output_dir=str(tmp_path), n_pages=PAGES,
                                trainer_class=_scripted(ExtGRPOTrainer), bf16=False, use_cpu=True)  # fmt: skip
-    assert sorted(tool.__name__ for tool in trainer.tools) == ["answer", "read", "search"]  # not reset, get_reward
+    assert not trainer.tools and trainer.environment_factories is None  # the project's loop plays it, not TRL's
+    tools = trainer.episode_source.episodes([{"prompt": [{"role": "user", "content": "q"}], "level": 0}],
+                                            trainer.processing_class)[0].tools
+    assert sorted(tool.__name__ for tool in tools) == ["answer", "read", "search"]  # not reset, get_reward
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2
     # 4 questions x 2 rollouts a step; in each group one right (reward 1, 3 calls), one wrong (reward 0, 2 calls)
-    assert all(h["rewards/SearchTools/mean"] == 0.5 and h["tools/call_frequency"] == 2.5 for h in logs)
-    assert all(h["tools/failure_frequency"] == 0 for h in logs)
+    assert all(h["rewards/SearchTools/mean"] == 0.5 and h["env/tool_calls"] == 2.5 for h in logs)
+    assert all(h["env/invalid_frac"] == 0 and h["env/success"] == 0.5 for h in logs)
     tok = trainer.processing_class
     for batch in trainer.batches:
         real, agent = batch["completion_mask"].bool(), batch["tool_mask"].bool()
@@ -198,24 +201,29 @@ def test_trainer_runs_the_tool_loop(tools_model, tmp_path, feature):
     assert moved > 0
 
 
-def test_tool_loop_refuses_what_it_cannot_run(tools_model, tmp_path):
-    from trl_ext.config import train_config
+def test_trls_own_tool_loop_refuses_distillation_and_the_factory_excludes_args_env(tools_model, tmp_path):
+    """Standalone ``tools=`` (no environment) run TRL's own tool loop, which distillation does not score; an
+    ``environment_factory`` plays in the project's loop (every extension: tests/test_tool_trainer.py) and names the
+    environment, so ``args.env`` beside it is refused."""
+    from trl_ext import ExtGRPOTrainer
     from trl_ext.api import trainer_arguments
+    from trl_ext.config import train_config
 
-    factory = SearchTools.factory(n_pages=PAGES)
+    def lookup(word: str) -> str:
+        """Look a word up.
+
+        Args:
+            word: The word.
+        """
+        return word
+
     distill = train_config(output_dir=str(tmp_path), teacher_tau=0.5, student_tau=0.5, beta=0.02,
                            teacher_context="Read before you answer.", report_to=[])  # fmt: skip
-    with pytest.raises(ValueError, match="distillation .* TRL's tool loop"):
-        trainer_arguments((), {"model": tools_model, "args": distill, "environment_factory": factory})
-    env = train_config(output_dir=str(tmp_path), env="search", report_to=[])
-    with pytest.raises(ValueError, match="give one of them"):
-        trainer_arguments((), {"model": tools_model, "args": env, "environment_factory": factory})
-
-
-@pytest.mark.slow
-def test_off_policy_refuses_the_tool_loop(tools_model, tmp_path):
-    from trl_ext import ExtGRPOTrainer
-
-    with pytest.raises(ConfigError, match="not another rollout_func, tools or environment factories"):
-        _example().build_trainer(tools_model, "plain", output_dir=str(tmp_path), n_pages=PAGES, bf16=False,
-                                 use_cpu=True, max_async_level=1, trainer_class=ExtGRPOTrainer)  # fmt: skip
+    with pytest.raises(ValueError, match="TRL's own tool loop"):
+        trainer_arguments((), {"model": tools_model, "args": distill, "tools": [lookup]})
+    trainer_arguments((), {"model": tools_model, "args": distill,
+                           "environment_factory": SearchTools.factory(n_pages=PAGES)})  # no refusal  # fmt: skip
+    env = train_config(output_dir=str(tmp_path), env="search", report_to=[], use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="do not pass environment_factory too"):
+        ExtGRPOTrainer(model=tools_model, args=env, train_dataset=tool_dataset(4),
+                       environment_factory=SearchTools.factory(n_pages=PAGES))  # fmt: skip

@@ -59,21 +59,19 @@ def ext_config(args, model) -> Any:
 def check_trainer_arguments(cfg, adapters: bool, tool_loop: bool = False) -> None:
     """The Python API's refusals that need no model (ValueError): train.py's plan and layout.py run them too
     (`trl_ext.serve.plan.check_trainer_plan`), so a run they refuse never starts. ``adapters``: the policy has
-    adapters that can be disabled (a PEFT config); ``tool_loop``: TRL's tools / environment_factory are given."""
+    adapters that can be disabled (a PEFT config); ``tool_loop``: TRL's standalone ``tools=``
+    are given (its own tool loop; an ``environment_factory`` plays in the project's episode loop)."""
     from trl_ext.distill.args import has_teacher
 
     if cfg.distill_on and cfg.teacher_tau > 0 and not has_teacher(cfg, adapters):
         raise ValueError("distillation with teacher_tau > 0 needs a teacher: args.teacher_model, a teacher server "
                          "(args.teacher_server_url), LoRA adapters (peft_config or a dual LoRA config: the teacher is "
                          "the model with them disabled) or beta > 0 (TRL's frozen reference model)")
-    if tool_loop:  # TRL's tool loop (docs/environments.md)
-        if cfg.distill_on:
-            raise ValueError("distillation scores single-turn and --env completions; TRL's tool loop (tools / "
-                             "environment_factory) writes tool results into the completion, which the teacher's "
-                             "system-message context cannot be placed around: not supported")
-        if cfg.env:
-            raise ValueError("args.env runs the project's episode loop; environment_factory / tools run TRL's tool "
-                             "loop: give one of them")
+    if tool_loop and cfg.distill_on:  # TRL's own tool loop: standalone tools= (docs/environments.md)
+        raise ValueError("distillation scores single-turn completions and the project's episode loop (--env, "
+                         "environment_factory); TRL's own tool loop (tools= without an environment) writes tool "
+                         "results into the completion without their turns: give the tools as methods of an "
+                         "environment_factory class")  # fmt: skip
 
 
 def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +94,7 @@ def trainer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         if named.get(key) is not None:
             named[key] = _named(named[key])
     check_trainer_arguments(cfg, adapters=named.get("peft_config") is not None,
-                            tool_loop=named.get("environment_factory") is not None or bool(named.get("tools")))
+                            tool_loop=bool(named.get("tools")) and named.get("environment_factory") is None)
     model = named.get("model")
     if isinstance(model, str):
         model = named["model"] = model_source(model)

@@ -109,6 +109,11 @@ class BatchContext:
     """``"train"`` or ``"eval"``."""
     trajectories: list | None = None
     """Source: the environment episodes of this process's completions (``--env``), same order."""
+    episode_prompts: list | None = None
+    """Source: a tool environment's prompts as rendered, per row (messages, ``apply_chat_template`` keyword arguments:
+    tools and template), for the teacher's prompt; None for other sources."""
+    environments: list | None = None
+    """Source: a tool environment's instances per row, which TRL's reward functions get as ``environments=``."""
     rewards: torch.Tensor | None = None
     """Rewards: every process's rewards per function ``[N, F]`` (gathered, TRL's order)."""
     local_rewards: torch.Tensor | None = None

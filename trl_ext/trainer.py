@@ -175,10 +175,14 @@ class ExtGRPOTrainer(RunLifecycle, GRPOTrainer):
             rewards = torch.zeros(len(prompts), len(self.reward_funcs), device=self.accelerator.device)
             ctx.rewards, ctx.local_rewards = rewards, rewards
             return rewards
+        saved = self.environments  # a tool environment's instances reach TRL's reward functions as environments=
+        self.environments = ctx.environments if ctx.environments is not None else saved
         try:
             rewards = GRPOTrainer._calculate_rewards(self, inputs, prompts, completions, completion_ids_list)
         except ValueError as e:  # TRL's check of the number of rewards (it names the function)
             raise NumericFault(f"step {step}: {e} First completion: {completions[0]!r}") from e
+        finally:
+            self.environments = saved
         for c in self.components:
             rewards = c.rewards(ctx, rewards, prompts, completions)
         n, rank = len(prompts), self.accelerator.process_index

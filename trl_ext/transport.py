@@ -62,7 +62,7 @@ def sampling_params(trainer) -> SamplingParams:
         max_new_tokens=trainer.max_completion_length, temperature=trainer.temperature, top_k=args.top_k or 0,
         top_p=args.top_p, eos_token_ids=tuple(trainer.eos_token_ids),
         pad_token_id=compat.trl_tokenizer(trainer).pad_token_id,
-        stop_sequences=answer_stop_sequences(trainer.processing_class) if args.env else (),
+        stop_sequences=answer_stop_sequences(trainer.processing_class) if args.env and not args.tool_env else (),
     )  # fmt: skip
 
 

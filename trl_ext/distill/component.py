@@ -123,25 +123,31 @@ class Distillation(Component):
                                             tok.pad_token_id, tok.bos_token_id)
         return ids, mask
 
-    def score_teacher(self, batch: dict, prompts: list | None = None) -> torch.Tensor:
+    def score_teacher(self, batch: dict, prompts: list | None = None, render_kwargs: list[dict] | None = None
+                      ) -> torch.Tensor:  # fmt: skip
         """Teacher log-probs ``[B, C]`` of the batch's agent tokens (0 on environment tokens and padding).
 
         The teacher's prompt: for chat ``prompts`` (message lists), the messages with the context as their system
-        message (`teacher_messages`) rendered by the chat template, then what followed the student's rendered
-        messages in its prompt ids (`chat_teacher_prompt`); otherwise ``context + prompt`` ids."""
+        message (`teacher_messages`) rendered by the chat template (with each row's ``render_kwargs``: a tool
+        episode's tools and template), then what followed the student's rendered messages in its prompt ids
+        (`chat_teacher_prompt`); otherwise ``context + prompt`` ids. In a multi-turn episode the context is thus
+        in the system message before the first turn, and the teacher reads the whole transcript after it, tool
+        results included, token for token as the student did: each agent token is scored on the history that
+        produced it, with the context the student lacked as the only difference."""
         t, a = self.trainer, self.trainer.args
         pad_id = compat.trl_tokenizer(t).pad_token_id
         chat = bool(a.teacher_context and prompts) and is_conversational({"prompt": prompts[0]})
         if chat:
             tok, context = t.processing_class, a.teacher_context
 
-            def render(messages):
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            def render(messages, kwargs):
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
                 return tok(text, add_special_tokens=False)["input_ids"]
 
-            rows = []
-            for ids, m, p in zip(batch["prompt_ids"], batch["prompt_mask"], prompts, strict=True):
-                teacher = chat_teacher_prompt(ids[m.bool()].tolist(), render(p), render(teacher_messages(p, context)))
+            rows, kws = [], render_kwargs or [{}] * len(prompts)
+            for ids, m, p, kw in zip(batch["prompt_ids"], batch["prompt_mask"], prompts, kws, strict=True):
+                teacher = chat_teacher_prompt(ids[m.bool()].tolist(), render(p, kw),
+                                              render(teacher_messages(p, context), kw))
                 rows.append(torch.tensor(teacher))
             ids, mask, keep = teacher_batch(rows, batch["completion_ids"], batch["completion_mask"], pad_id)
         else:
@@ -190,8 +196,10 @@ class Distillation(Component):
         if cfg is None:
             return
         mask = loss_mask(batch)
-        prompts = [row["prompt"] for row in ctx.rows]
-        lp_teacher = self.score_teacher(batch, prompts) if cfg.teacher_tau > 0 else None
+        prompts, kwargs = [row["prompt"] for row in ctx.rows], None
+        if ctx.episode_prompts is not None:  # tool episodes: the messages and tools their prompts were rendered with
+            prompts, kwargs = [p for p, _ in ctx.episode_prompts], [kw for _, kw in ctx.episode_prompts]
+        lp_teacher = self.score_teacher(batch, prompts, kwargs) if cfg.teacher_tau > 0 else None
         ctx.teacher_logprobs = lp_teacher
         lp_student = self.student_sampling_logps(batch) if cfg.has_kl else None
         group = t.num_generations if ctx.mode == "train" else t.num_generations_eval

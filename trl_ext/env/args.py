@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from environments.base import HELDOUT_LEVELS, TRAIN_LEVELS, check_max_turns, env_class, make_env
+from environments.base import HELDOUT_LEVELS, TRAIN_LEVELS, check_max_turns, env_class, make_env, parse_env_params
 from trl_ext.advantages import ADV_ESTIMATORS
 from trl_ext.env.mixture import parse_env_spec, split_env_params
+from trl_ext.env.tools import TOOL_ENVIRONMENTS, check_factory, load_factory
 from trl_ext.registry import ConfigError
 
 __all__ = ["EnvArgs", "HELDOUT_LEVELS", "TRAIN_LEVELS"]
@@ -21,7 +22,8 @@ class EnvArgs:
     env: str = field(
         default="",
         metadata={"help": "Train on a text environment (RAGEN): two_armed_bandit, sokoban, frozenlake, arithmetic, "
-                  "prisoners_dilemma, search. Replaces --reward: the reward is the episode's summed step rewards. "
+                  "prisoners_dilemma, search; or a tool environment (tool calls, chat models whose template renders them): "
+                  "search_tools, ml_task. Replaces --reward: the reward is the episode's summed step rewards. "
                   "A mixture: names separated by commas, each with an optional integer weight, e.g. "
                   "'frozenlake:2,sokoban,arithmetic' (shares 2:1:1 of the prompts; a group never mixes them)."},
     )  # fmt: skip
@@ -33,6 +35,13 @@ class EnvArgs:
                   "'opponent=always_defect' or 'opponent=random' (prisoners_dilemma), "
                   "'k=5,n_pages=200,corpus_seed=1,page_chars=300' (search). A mixture: 'frozenlake.size=8' sets one "
                   "environment's parameter; a bare key must be accepted by all. Unset: the environment's defaults."},
+    )  # fmt: skip
+    env_factory: str = field(
+        default="",
+        metadata={"help": "Train on your own tool environment: module:Class in TRL's environment_factory convention "
+                  "(reset(**row), public methods as tools, get_reward()), played by the project's episode loop with "
+                  "every extension; --env_params are its constructor's keyword arguments; its rows come from "
+                  "--dataset. Excludes --env."},
     )  # fmt: skip
     max_turns: int | None = field(
         default=None, metadata={"help": "Turns per episode (RAGEN max_turns), for every environment of a mixture "
@@ -57,11 +66,16 @@ class EnvArgs:
                 raise ConfigError("--adv_estimator needs --multi_objective_aggregation sum_then_normalize")
         if self.max_turns is not None:
             check_max_turns(self.max_turns)
-        if not self.env:
+        if self.env and self.env_factory:
+            raise ConfigError("--env and --env_factory exclude each other: give one environment")
+        if not self.env and not self.env_factory:
             for flag, on in (("--max_turns", self.max_turns is not None), ("--no_think_rl", self.no_think_rl),
                              ("--env_params", bool(self.env_params))):  # fmt: skip
                 if on:
                     raise ConfigError(f"{flag} needs --env")
+            return
+        if self.tool_env:
+            self._check_tool_env()
             return
         for name in self.env_names:
             self.build_env(name)  # ConfigError listing the environments, or naming a bad parameter or value
@@ -80,9 +94,72 @@ class EnvArgs:
             if on:
                 raise ConfigError(f"--env {self.env}: a mixture of environments does not support {what}: {why}")
 
+    def _check_tool_env(self) -> None:
+        """A tool environment (``--env`` naming one, or ``--env_factory``): one instance built now (its parameters,
+        its tools' schemas, its sandbox: ConfigError), a turn limit known, and no text-action flag."""
+        if self.no_think_rl:
+            raise ConfigError("--no_think_rl rewrites RAGEN's <answer> tags; a tool environment's actions are tool "
+                              "calls")  # fmt: skip
+        if self.mode == "sft":
+            raise ConfigError("--mode sft trains on an environment's solver trajectories; a tool environment has "
+                              "none: warm-start with trl_ext.sft_tools or TRL's SFTTrainer on its scripted episodes")
+        check_factory(self.tool_factory(), f"--env {self.env}" if self.env else f"--env_factory {self.env_factory}")
+        self.tool_turns  # noqa: B018 (ConfigError when no turn limit is known)
+        self.tool_dataset(1)  # ConfigError when there are no rows
+
+    @property
+    def tool_env(self) -> bool:
+        """Whether the run's environment is a tool environment (`trl_ext.env.tools`)."""
+        return bool(self.env_factory) or self.env in TOOL_ENVIRONMENTS
+
+    def tool_factory(self):
+        """The tool environment's factory with its ``--env_params`` (a fresh instance per call)."""
+        params = parse_env_params(self.env_params)
+        if self.env_factory:
+            return load_factory(self.env_factory, params)
+        return load_factory(TOOL_ENVIRONMENTS[self.env].cls, params)
+
+    def tool_dataset(self, n: int, heldout: bool = False):
+        """``n`` rows of the tool environment's levels (held-out ones for the routing eval): the registered
+        environment's dataset function, or --env_factory's class's ``dataset(n_rows, heldout=False)``."""
+        if self.env:
+            fn = TOOL_ENVIRONMENTS[self.env].load("dataset")
+        else:
+            cls = load_factory(self.env_factory, parse_env_params(self.env_params))
+            fn = getattr(getattr(cls, "func", cls), "dataset", None)
+            if not callable(fn):
+                raise ConfigError(f"--env_factory {self.env_factory}: the class must define dataset(n_rows, "
+                                  "heldout=False) returning its rows (a datasets.Dataset with 'prompt' and the columns "
+                                  "reset reads): train.py takes the training rows from it")  # fmt: skip
+        rows = fn(n, heldout=heldout)
+        if "prompt" not in rows.column_names:
+            raise ConfigError(f"--env {self.env or self.env_factory}: its dataset has no 'prompt' column")
+        return rows
+
+    @property
+    def tool_turns(self) -> int:
+        """Agent turns per tool episode: --max_turns, else the registered environment's, else the class's
+        ``max_turns_default``; --env_factory with neither is a ConfigError."""
+        if self.max_turns is not None:
+            return self.max_turns
+        if self.env:
+            return TOOL_ENVIRONMENTS[self.env].max_turns_default
+        cls = load_factory(self.env_factory, parse_env_params(self.env_params))
+        cls = getattr(cls, "func", cls)
+        default = getattr(cls, "max_turns_default", None)
+        if default is None:
+            raise ConfigError(f"--env_factory {self.env_factory}: give --max_turns (agent turns per episode); the "
+                              "class defines no max_turns_default")  # fmt: skip
+        return check_max_turns(default)
+
     @property
     def env_mixture(self) -> list:
-        """``--env`` parsed: [`mixture.Component`] (name, weight), one for a single environment."""
+        """``--env`` parsed: [`mixture.Component`] (name, weight), one for a single environment (a tool
+        environment: its name, or --env_factory's class name)."""
+        if self.tool_env:
+            from trl_ext.env.mixture import Component
+
+            return [Component(self.env or self.env_factory.partition(":")[2], 1)]
         return parse_env_spec(self.env)
 
     @property

@@ -25,9 +25,9 @@
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from datasets import Dataset, concatenate_datasets
@@ -80,6 +80,16 @@ def mixture_dataset(args, n: int, tokenizer, start: int = TRAIN_LEVELS) -> Datas
 def env_reward(completions, env_return, **kwargs) -> list[float]:
     """TRL reward function: the episode return computed during the rollout (sum of step rewards)."""
     return [float(r) for r in env_return]
+
+
+def named_env_reward(name: str) -> Callable:
+    """`env_reward` under the name ``name`` (a tool environment's class: TRL names its ``get_reward`` column so)."""
+
+    def reward(completions, env_return, **kwargs) -> list[float]:
+        return env_reward(completions, env_return)
+
+    reward.__name__ = reward.__qualname__ = name
+    return reward
 
 
 def cut_after_answer(ids: list[int], tokenizer) -> tuple[list[int], bool]:
@@ -136,14 +146,81 @@ TurnSampler = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float
 two None when the sampler records none (TRL's own generation)."""
 
 
+class TextEpisode:
+    """One episode of a text environment (RAGEN's answer format) in `play`: each turn the agent's text up to its first
+    closing answer tag is the action (``--no_think_rl``: rewritten to ``<answer>X</answer>``), the environment's reply
+    (`feedback_text`) is rendered as the next turn, and a closed episode ends with an EOS that is not trained on.
+    The three turn phases are `play`'s: ``parse`` and ``reply`` use the tokenizer, ``step`` only the environment."""
+
+    def __init__(self, env, seed: int, prompt, limit: int, tok, no_think: bool = False) -> None:
+        self.env, self.tok, self.limit, self.no_think = env, tok, limit, no_think
+        self.trajectory = Trajectory(seed, env.reset(seed), prefill=env.prefill, env=env.name)
+        self.chat = not isinstance(prompt, str)
+        self.messages = list(prompt) if self.chat else None
+        text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) + env.prefill \
+            if self.chat else prompt
+        self.prompt_ids = _encode(tok, text)
+        self.closed, self.over, self._text = False, False, ""
+
+    def parse(self, ids: list[int], context: list[int]) -> list[int]:
+        ids, self.closed = cut_after_answer(list(ids), self.tok)
+        self._text = decode_agent(self.tok, ids)
+        if self.no_think:
+            self._text = no_think_rewrite(self._text, self.env)
+            ids, self.closed = _encode(self.tok, self._text), True
+        return ids
+
+    def step(self) -> None:
+        self._result = self.env.step(self._text)
+        self.trajectory.add(self._text, self._result)
+        self.over = self.trajectory.done or len(self.trajectory.turns) >= self.limit
+
+    def reply(self, ids: list[int]) -> list[int]:
+        if self.over:
+            return []
+        tok, text, reply, prefill = self.tok, self._text, feedback_text(self._result), self.env.prefill
+        if self.chat:
+            env_text = chat_env_text(tok, self.messages, prefill + text, reply) + prefill
+            self.messages += [{"role": "assistant", "content": prefill + text}, {"role": "user", "content": reply}]
+        else:
+            env_text = SEPARATOR + reply + SEPARATOR + prefill
+        env_ids = _encode(tok, env_text)
+        if self.chat and ids and env_ids[:1] == ids[-1:] and ids[-1] in tok.all_special_ids:
+            env_ids = env_ids[1:]  # the agent sampled the template's end-of-turn token (EOS) itself
+        return env_ids
+
+    def closing(self, completion: list[int]) -> list[int]:
+        eos = self.tok.eos_token_id
+        return [eos] if self.closed and (not completion or completion[-1] != eos) else []
+
+
+def text_episodes(prompts: list, seeds: list[int], args, tok, names: list[str] | None = None) -> list[TextEpisode]:
+    """`TextEpisode` s for the levels ``seeds`` of the environments ``names`` (a mixture's rows name theirs; None:
+    ``args.build_env()``, one environment), each ending at its environment's turn limit (``args.env_turns``)."""
+    envs = [args.build_env() for _ in seeds] if names is None else [args.build_env(name) for name in names]
+    limits = [args.turns] * len(seeds) if names is None else [args.env_turns(name) for name in names]
+    return [TextEpisode(e, s, p, k, tok, args.no_think_rl) for e, s, p, k in zip(envs, seeds, prompts, limits,
+                                                                                 strict=True)]  # fmt: skip
+
+
 def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSampler, names: list[str] | None = None,
                   lockstep: Callable[[bool], bool] | None = None) -> dict:  # fmt: skip
-    """One episode per prompt on the levels ``seeds`` of the environments ``names`` (a mixture's rows name theirs;
-    None: ``args.build_env()``, one environment): the multi-turn loop shared by the synchronous path (TRL's
-    generation, ``env_rollout``) and the asynchronous generator (``offpolicy``), which passes a sampler that records
-    behaviour log-probs and policy versions. Environment tokens get log-prob 0, the version of the turn before them
-    and ``env_mask`` 0 (never trained on, never in a ratio or an IS mask). Each episode ends at its environment's turn
-    limit (``args.env_turns``; ``args.turns`` without names), single- and multi-turn environments in one batch.
+    """`play` of the `text_episodes` of ``prompts`` on the levels ``seeds``."""
+    return play(text_episodes(prompts, seeds, args, tok, names), generate, lockstep)
+
+
+def play(episodes: list, generate: TurnSampler, lockstep: Callable[[bool], bool] | None = None,
+         max_context: int | None = None) -> dict:  # fmt: skip
+    """The multi-turn loop of text and tool episodes (`TextEpisode`, `trl_ext.env.tools.ToolEpisode`), shared by the
+    synchronous path (TRL's generation, ``env_rollout``) and the asynchronous generator (``offpolicy``), which passes
+    a sampler that records behaviour log-probs and policy versions. Each turn the active episodes' contexts are sampled
+    together; each episode keeps its agent tokens (``parse``), acts (``step``: the environments step in parallel
+    threads, so that sandboxed tool runs of a batch overlap) and renders the environment's reply (``reply``).
+    Environment tokens get log-prob 0, the version of the turn before them and ``env_mask`` 0 (never trained on, never
+    in a ratio or an IS mask); per-token versions therefore hold across turns: an update landing between two turns
+    shows in the versions of the later turn's tokens. An episode ends when its environment says so or at its turn
+    limit; with ``max_context`` also when its next context would reach it (the reply is dropped, the trajectory
+    marked truncated).
 
     ``lockstep`` (several FSDP2 processes, where each generation is a collective): called after every turn with
     whether this process still plays, it answers whether any process does; a process whose episodes all ended then
@@ -152,72 +229,60 @@ def play_episodes(prompts: list, seeds: list[int], args, tok, generate: TurnSamp
 
     Returns ``prompt_ids``, ``completion_ids``, ``env_mask``, ``env_return``, ``logprobs`` and ``versions`` (None
     without a recording sampler) and ``trajectories``."""
-    envs = [args.build_env() for _ in seeds] if names is None else [args.build_env(name) for name in names]
-    limits = [args.turns] * len(seeds) if names is None else [args.env_turns(name) for name in names]
-    trajs = [Trajectory(s, e.reset(s), prefill=e.prefill, env=e.name) for e, s in zip(envs, seeds, strict=True)]
-    chat = not isinstance(prompts[0], str)
-    msgs = [list(p) for p in prompts] if chat else None
-    prompt_ids = [
-        _encode(tok, tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) + e.prefill if chat else p)
-        for p, e in zip(prompts, envs, strict=True)
-    ]
-    n = len(prompts)
+    n = len(episodes)
+    prompt_ids = [e.prompt_ids for e in episodes]
     completion, mask, logprobs, versions = ([[] for _ in range(n)] for _ in range(4))
     recorded = None
-    closed = [False] * n
     active = list(range(n))
-    for turn in itertools.count():  # until no episode plays: each ends at its turn limit
-        generated, lps, vers = generate([prompt_ids[i] + completion[i] for i in active] or [prompt_ids[0]])
-        if not active:  # lockstep: an idle call while another process plays (docstring)
-            generated = []
-        recorded = lps is not None if recorded is None else recorded
-        for j, (i, ids) in enumerate(zip(active, generated, strict=True)):
-            ids, closed[i] = cut_after_answer(list(ids), tok)
-            text = decode_agent(tok, ids)
-            if args.no_think_rl:
-                text = no_think_rewrite(text, envs[i])
-                ids, closed[i] = _encode(tok, text), True
-            result = envs[i].step(text)
-            trajs[i].add(text, result)
-            completion[i] += ids
-            mask[i] += [1] * len(ids)
-            if recorded:
-                logprobs[i] += list(lps[j][: len(ids)])
-                versions[i] += list(vers[j][: len(ids)])
-            if not result.done and turn + 1 < limits[i]:
-                reply, prefill = feedback_text(result), envs[i].prefill
-                if chat:
-                    env_text = chat_env_text(tok, msgs[i], prefill + text, reply) + prefill
-                    msgs[i] += [{"role": "assistant", "content": prefill + text}, {"role": "user", "content": reply}]
-                else:
-                    env_text = SEPARATOR + reply + SEPARATOR + prefill
-                env_ids = _encode(tok, env_text)
-                if chat and ids and env_ids[:1] == ids[-1:] and ids[-1] in tok.all_special_ids:
-                    env_ids = env_ids[1:]  # the agent sampled the template's end-of-turn token (EOS) itself
-                completion[i] += env_ids
-                mask[i] += [0] * len(env_ids)
-                logprobs[i] += [0.0] * len(env_ids)
-                versions[i] += [versions[i][-1] if versions[i] else 0] * len(env_ids)
-        active = [i for i in active if not trajs[i].done and turn + 1 < limits[i]]
-        if not (active if lockstep is None else lockstep(bool(active))):
-            break
-    eos = tok.eos_token_id
-    for i in range(n):
-        if closed[i] and (not completion[i] or completion[i][-1] != eos):
-            completion[i].append(eos)  # close the episode; not trained on
-            mask[i].append(0)
-            logprobs[i].append(0.0)
-            versions[i].append(versions[i][-1] if versions[i] else 0)
+    pool = ThreadPoolExecutor(max_workers=min(n, 16)) if any(getattr(e, "parallel", False) for e in episodes) else None
+    try:
+        while True:  # until no episode plays: each ends at its turn limit
+            generated, lps, vers = generate([prompt_ids[i] + completion[i] for i in active] or [prompt_ids[0]])
+            if not active:  # lockstep: an idle call while another process plays (docstring)
+                generated = []
+            recorded = lps is not None if recorded is None else recorded
+            kept = [episodes[i].parse(list(ids), prompt_ids[i] + completion[i])
+                    for i, ids in zip(active, generated, strict=True)]  # fmt: skip
+            steps = [episodes[i].step for i in active]
+            list(pool.map(lambda f: f(), steps)) if pool is not None else [f() for f in steps]
+            for j, (i, ids) in enumerate(zip(active, kept, strict=True)):
+                completion[i] += ids
+                mask[i] += [1] * len(ids)
+                if recorded:
+                    logprobs[i] += list(lps[j][: len(ids)])
+                    versions[i] += list(vers[j][: len(ids)])
+                env_ids = episodes[i].reply(ids)
+                if env_ids and max_context is not None and len(prompt_ids[i]) + len(completion[i]) + len(env_ids) \
+                        >= max_context:  # fmt: skip
+                    env_ids, episodes[i].over, episodes[i].trajectory.truncated = [], True, True
+                _append_env(i, env_ids, completion, mask, logprobs, versions)
+            active = [i for i in active if not episodes[i].over]
+            if not (active if lockstep is None else lockstep(bool(active))):
+                break
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    for i, e in enumerate(episodes):
+        _append_env(i, e.closing(completion[i]), completion, mask, logprobs, versions)  # not trained on
     return {
         "prompt_ids": prompt_ids, "completion_ids": completion, "env_mask": mask,
-        "env_return": [t.total_reward for t in trajs], "logprobs": logprobs if recorded else None,
-        "versions": versions if recorded else None, "trajectories": trajs,
+        "env_return": [e.trajectory.total_reward for e in episodes], "logprobs": logprobs if recorded else None,
+        "versions": versions if recorded else None, "trajectories": [e.trajectory for e in episodes],
     }  # fmt: skip
 
 
+def _append_env(i: int, env_ids: list[int], completion, mask, logprobs, versions) -> None:
+    """Environment tokens: env_mask 0, log-prob 0, the version of the token before them."""
+    completion[i] += env_ids
+    mask[i] += [0] * len(env_ids)
+    logprobs[i] += [0.0] * len(env_ids)
+    versions[i] += [versions[i][-1] if versions[i] else 0] * len(env_ids)
+
+
 def episode_columns(rows: list[dict]) -> dict[str, list]:
-    """Saved-rollout columns (`trl_ext.runs.rollouts`) of a batch's rows: ``env`` and ``env_seed``."""
-    return {"env": [r.get("env") for r in rows], "env_seed": [r["env_seed"] for r in rows]}
+    """Saved-rollout columns (`trl_ext.runs.rollouts`) of a batch's rows: ``env`` and ``env_seed`` (null where a
+    tool environment's rows have none)."""
+    return {"env": [r.get("env") for r in rows], "env_seed": [r.get("env_seed") for r in rows]}
 
 
 def row_envs(rows: list[dict]) -> list[str] | None:
@@ -243,12 +308,17 @@ class EpisodeSummary:
     n_turns: int
     total_reward: float
     first_action: str
+    tool_calls: int = 0
+    final: tuple = ()
+    """The numbers of ``Trajectory.final`` as (key, value) pairs (a tool environment's; bools as 0 / 1)."""
 
     @classmethod
     def of(cls, t: Trajectory) -> EpisodeSummary:
         # an action with an argument (search's "read: title") counts under its verb, the step's info["action_kind"]
         first = t.turns[0].info.get("action_kind", t.turns[0].info.get("action", "")) if t.turns else ""
-        return cls(t.env, bool(t.success), t.n_invalid, len(t.turns), float(t.total_reward), first)
+        calls = sum(len(turn.info.get("tool_calls", ())) for turn in t.turns)
+        final = tuple((k, float(v)) for k, v in t.final.items() if isinstance(v, (int, float)))  # None: no score
+        return cls(t.env, bool(t.success), t.n_invalid, len(t.turns), float(t.total_reward), first, calls, final)
 
 
 def log_episodes(trainer, trajs: list[Trajectory], words: tuple[str, ...] | None,
@@ -266,12 +336,29 @@ def log_episodes(trainer, trajs: list[Trajectory], words: tuple[str, ...] | None
 
         episodes = gather_object(episodes)
     _episode_metrics(metrics, "env", episodes, words)
+    if any(e.tool_calls for e in episodes) or any(e.final for e in episodes):  # a tool environment
+        metrics["env/tool_calls"].append(sum(e.tool_calls for e in episodes) / len(episodes))
+        for key, value in final_means(episodes, "env").items():
+            metrics[key].append(value)
     for name, env_words in (mixture or {}).items():
         mine = [e for e in episodes if e.env == name]
         metrics[f"env/{name}/share"].append(len(mine) / len(episodes))  # every step: the shares sum to 1
         if mine:
             metrics[f"env/{name}/return"].append(sum(e.total_reward for e in mine) / len(mine))
             _episode_metrics(metrics, f"env/{name}", mine, env_words)
+
+
+def final_means(episodes: list, prefix: str) -> dict[str, float]:
+    """The mean of each number tool environments report at the end (``Trajectory.final``, or an `EpisodeSummary`'s
+    ``final``: the ML task's ``true_score``, the held-out score beside the proxy reward) over the episodes that report
+    it (bools count as 0 / 1; None, no score, is left out)."""
+    values: dict[str, list[float]] = {}
+    for e in episodes:
+        pairs = e.final.items() if isinstance(e.final, dict) else e.final
+        for key, v in pairs:
+            if isinstance(v, (int, float)):
+                values.setdefault(key, []).append(float(v))
+    return {f"{prefix}/{k}": sum(v) / len(v) for k, v in values.items()}
 
 
 def _episode_metrics(metrics, prefix: str, episodes: list[EpisodeSummary], words: tuple[str, ...] | None) -> None:

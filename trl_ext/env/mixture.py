@@ -51,13 +51,27 @@ def parse_env_spec(text: str) -> list[Component]:
         weighted |= weight is not None
         if weight is not None and (not re.fullmatch(r"[0-9]+", weight.strip()) or int(weight) < 1):
             raise ConfigError(f"--env: the weight of {name!r} must be an integer >= 1, got {weight!r}")
-        env_class(name)  # ConfigError listing the environments
+        _known(name, len(items))
         if any(c.name == name for c in out):
             raise ConfigError(f"--env: {name!r} given twice")
         out.append(Component(name, 1 if weight is None else int(weight)))
     if len(out) == 1 and weighted:
         raise ConfigError(f"--env {text!r}: a single environment takes no weight (weights set a mixture's shares)")
     return out
+
+
+def _known(name: str, n_items: int) -> None:
+    """ConfigError for an unknown name (listing the text and tool environments) or a tool environment in a mixture."""
+    from trl_ext.env.tools import TOOL_ENVIRONMENTS
+
+    if name in TOOL_ENVIRONMENTS:
+        if n_items > 1:
+            raise ConfigError(f"--env: the tool environment {name!r} plays alone, not in a mixture")
+        return
+    try:
+        env_class(name)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; tool environments: {', '.join(TOOL_ENVIRONMENTS)}") from None
 
 
 def split_env_params(text: str, names: list[str]) -> dict[str, dict]:

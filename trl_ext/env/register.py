@@ -16,7 +16,7 @@ class EnvPromptsPart(PromptSource):
     """``--env``: levels of one environment, or a mixture's shares (`trl_ext.env.episodes.mixture_dataset`)."""
 
     def selected(self, run, cfg) -> bool:
-        return bool(cfg.env)
+        return bool(cfg.env or cfg.env_factory)
 
     def check_args(self, run, cfg) -> None:
         """--env replaces --reward (the environment's reward is the reward) and needs a tokenizer for its text."""
@@ -29,6 +29,14 @@ class EnvPromptsPart(PromptSource):
         if run.model in STORY_MODELS:
             raise ConfigError(f"--env needs --model {BUILTIN_ENV} (or an instruct model): the {run.model} model's "
                               "tokenizer has no symbols for the environments' text (< > _ * # digits)")  # fmt: skip
+        if cfg.tool_env:
+            from trl_ext.models.builtin_tools import BUILTIN_TOOLS
+
+            if run.model in (*STORY_MODELS, BUILTIN_ENV, BUILTIN_SEARCH):
+                raise ConfigError(f"a tool environment needs a chat model whose template writes tool calls: --model "
+                                  f"{BUILTIN_TOOLS} (builtin) or an instruct model (Qwen2.5, Qwen3, Llama 3.1+, ...); "
+                                  f"{run.model}'s tokenizer has no tool-call template")  # fmt: skip
+            return
         if run.model == BUILTIN_SEARCH and set(cfg.env_names) != {"search"}:
             raise ConfigError(f"--model {BUILTIN_SEARCH} was pretrained on search episodes only (its tokenizer lacks "
                               f"the other environments' symbols): use it with --env search, or --model {BUILTIN_ENV}")
@@ -37,11 +45,18 @@ class EnvPromptsPart(PromptSource):
         from trl_ext.env.episodes import env_reward, mixture_dataset
 
         plan = build.plan
+        if plan.cfg.tool_env:  # the tool environment's rows; the column env names it in saved rollouts
+            rows = plan.cfg.tool_dataset(plan.run.num_prompts)
+            if "env" not in rows.column_names:
+                rows = rows.add_column("env", [plan.cfg.env_names[0]] * len(rows))
+            return rows, {"reward_funcs": [env_reward]}
         return mixture_dataset(plan.cfg, plan.run.num_prompts, build.tokenizer), {"reward_funcs": [env_reward]}
 
     def naming(self, run, cfg) -> tuple[list[str], object]:
         from trl_ext.env.mixture import env_tag
 
+        if cfg.env_factory:
+            return ["--env_factory", cfg.env_factory], dataclasses.replace(run, reward=f"rl-{cfg.env_names[0]}")
         return ["--env", cfg.env], dataclasses.replace(run, reward=f"{cfg.mode}-{env_tag(cfg.env)}")
 
 

@@ -43,7 +43,7 @@ class FastGeneration(Component):
         params = SamplingParams(
             max_new_tokens=t.max_completion_length, temperature=t.temperature, top_k=t.top_k or 0,
             top_p=t.top_p, eos_token_ids=tuple(t.eos_token_ids), pad_token_id=compat.trl_tokenizer(t).pad_token_id,
-            stop_sequences=answer_stop_sequences(t.processing_class) if t.args.env else (),
+            stop_sequences=answer_stop_sequences(t.processing_class) if t.args.env and not t.args.tool_env else (),
         )  # fmt: skip
         threads = torch.get_num_threads()
         cpu = t.accelerator.device.type == "cpu"

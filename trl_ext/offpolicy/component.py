@@ -80,9 +80,10 @@ class OffPolicy(Component):
 
     def setup(self) -> None:
         t = self.trainer
-        if (t.rollout_func is not None and not t.args.env) or t.tools or t.environment_factories is not None:
-            raise ConfigError("--max_async_level >= 1 drives single-turn generation and the --env episode loop; "
-                              "not another rollout_func, tools or environment factories")
+        episodes = getattr(t, "episode_source", None) is not None
+        if (t.rollout_func is not None and not episodes) or t.tools or t.environment_factories is not None:
+            raise ConfigError("--max_async_level >= 1 drives single-turn generation and the project's episode loop "
+                              "(text and tool environments); not another rollout_func, or TRL's own tool loop (tools=)")
         if not hasattr(t.train_dataset, "__getitem__"):
             raise ConfigError("--max_async_level >= 1 needs an indexable (map-style) train dataset")
         if t.is_fsdp_enabled and not self.uses_engine:
@@ -139,7 +140,7 @@ class OffPolicy(Component):
         config = WorkerConfig(max_async_level=args.max_async_level, strict=args.strict_async_level, start_step=start,
                               seed=args.seed, rank=t.accelerator.process_index, num_threads=gen_threads)
         self.worker = RolloutWorker(sampler, store, transport.sampling_params(t), config,
-                                    episode_fn=self._episode_fn() if args.env else None, pusher=pusher,
+                                    episode_fn=self._episode_fn() if getattr(t, "episode_source", None) else None, pusher=pusher,
                                     agree=self._every_process, autocast=t.accelerator.autocast)  # fmt: skip
         if pusher is not None:
             self.worker.publish(start, model)  # the starting policy, pushed into the servers
@@ -152,15 +153,15 @@ class OffPolicy(Component):
               flush=True)  # fmt: skip
 
     def _episode_fn(self):
-        """``--env``: the generator thread plays each batch's episodes (``env.episodes.play_episodes``) with its own
-        tokenizer copy (a fast tokenizer is not safe to share between threads)."""
-        from trl_ext.env.episodes import play_episodes, row_envs
+        """Environments: the generator thread plays each batch's episodes (``trainer.episode_source``, text or tool
+        environments) with its own tokenizer copy (a fast tokenizer is not safe to share between threads)."""
+        from trl_ext.env.source import context_length
 
-        args, tok = self.trainer.args, copy.deepcopy(self.trainer.processing_class)
+        t = self.trainer
+        source, tok, limit = t.episode_source, copy.deepcopy(t.processing_class), context_length(t)
 
         def episodes(rows, sample_turn):
-            prompts, seeds = [r["prompt"] for r in rows], [r["env_seed"] for r in rows]
-            return play_episodes(prompts, seeds, args, tok, sample_turn, row_envs(rows))  # a row's env (mixtures)
+            return source.play(rows, tok, sample_turn, max_context=limit)
 
         return episodes
 
@@ -236,12 +237,11 @@ class OffPolicy(Component):
             raise RuntimeError("prompts of the generation batch differ from the rollout's prompts")
         ctx.rollout = rollout
         own = {"prompt_ids": rollout.prompt_ids, "completion_ids": rollout.completion_ids, "logprobs": rollout.logprobs}
-        if self.trainer.args.env:  # episodes played by the generator thread: env_mask, env_return; metrics logged here
-            from trl_ext.env.episodes import log_episodes, log_words
+        if getattr(self.trainer, "episode_source", None):  # episodes played by the generator thread: env_mask,
+            from trl_ext.env.source import take_episodes  # env_return; metrics logged here, as env_rollout
 
             extra = dict(rollout.extra)
-            ctx.trajectories = extra.pop("trajectories")  # for an environment RH detector, as env_rollout
-            log_episodes(self.trainer, ctx.trajectories, *log_words(self.trainer.args))
+            take_episodes(self.trainer, ctx, extra)
             own.update(extra)
         return own
 

@@ -128,7 +128,8 @@ class Routing(Component):
             raise ValueError(f"the config {'needs' if cfg.needs_base_reward else 'has no'} --base_reward but "
                              f"base_reward={base_reward!r} was given")
         self.eval_on = dual and cfg.eval_routing_steps > 0
-        if self.eval_on and not cfg.env and (not eval_prompts or not eval_rewards):
+        episodes = kwargs.get("rollout_func") is not None  # the environment component's (built before this one)
+        if self.eval_on and not episodes and (not eval_prompts or not eval_rewards):
             raise ValueError("the routing eval (on with dual LoRA while eval_routing_steps > 0) needs "
                              "routing_eval_prompts and routing_eval_rewards: pass them, or a train_dataset / "
                              "eval_dataset with text prompts and callable reward_funcs (ExtGRPOTrainer builds them), "
@@ -346,9 +347,9 @@ class Routing(Component):
         """The three-mode eval on the held-out prompts: printed, added to the metrics, appended to the jsonl."""
         t, a = self.trainer, self.trainer.args
         step = t.state.global_step
-        if a.env:
+        if getattr(t, "episode_source", None) is not None:
             return self._log_eval(step, env_routing_eval(
-                t.model, t.processing_class, a, eval_generation_config(t), self.detector, a.seed,
+                t.model, t.processing_class, t.episode_source, eval_generation_config(t), self.detector, a.seed,
                 a.eval_routing_prompts), a.eval_routing_prompts, "env/success")
         hackable = None if a.hack_frac == 1.0 else [prompt_hackable(p, a.hack_frac, a.seed)
                                                     for p in self.eval_prompts]

@@ -193,20 +193,20 @@ def model_turn_sampler(model: nn.Module, tokenizer, generation_config) -> Callab
 
 
 def env_routing_eval(
-    model: nn.Module, tokenizer, args, generation_config, detector: Callable | None, seed: int, n_levels: int,
+    model: nn.Module, tokenizer, source, generation_config, detector: Callable | None, seed: int, n_levels: int,
 ) -> dict[str, dict[str, float]]:
-    """The three-mode routing eval of an ``--env`` run: one episode on each held-out level ``HELDOUT_LEVELS ..
-    + n_levels - 1`` per mode, sampled with ``generation_config`` and the same seed in every mode (the modes differ
-    only by the adapters; the caller's RNG is untouched). Per mode: ``env/success`` (the environment's honest
-    success), ``env/return`` (mean episode return) and ``rh_rate`` (the detector on the episodes, when one)."""
+    """The three-mode routing eval of an environment run (``source``: its `trl_ext.env.source.EpisodeSource`): one
+    episode on each of ``n_levels`` held-out levels (seeds from ``HELDOUT_LEVELS``) per mode, sampled with
+    ``generation_config`` and the same seed in every mode (the modes differ only by the adapters; the caller's RNG is
+    untouched). Per mode: ``env/success`` (the environment's honest success), ``env/return`` (mean episode return),
+    the mean of every number a tool environment reports at the end (``env/<key>``: the ML task's ``true_score``) and
+    ``rh_rate`` (the detector on the episodes, when one)."""
     from rewards.detectors import needs_trajectories
-    from trl_ext.env.args import HELDOUT_LEVELS
-    from trl_ext.env.episodes import env_dataset, play_episodes
+    from trl_ext.env.episodes import final_means
 
     if n_levels < 1:
         raise ValueError(f"n_levels must be >= 1, got {n_levels}")
-    rows = env_dataset(args.build_env(), n_levels, tokenizer, start=HELDOUT_LEVELS)
-    prompts, seeds = list(rows["prompt"]), list(rows["env_seed"])
+    rows = source.heldout_rows(n_levels, tokenizer)
     sampler = model_turn_sampler(model, tokenizer, generation_config)
     device = next(model.parameters()).device
 
@@ -217,7 +217,8 @@ def env_routing_eval(
             cuda = [device.index or 0] if device.type == "cuda" else []
             with torch.random.fork_rng(devices=cuda), torch.no_grad():
                 torch.manual_seed(seed)
-                out = play_episodes(prompts, seeds, args, tokenizer, sampler)
+                out = source.play(rows, tokenizer, sampler, max_context=getattr(model.config,
+                                                                               "max_position_embeddings", None))
         finally:
             model.train(was_training)
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in out["completion_ids"]]
@@ -226,7 +227,8 @@ def env_routing_eval(
     def score(played) -> dict[str, float]:
         texts, trajs = played
         n = len(trajs)
-        result = {"env/success": sum(t.success for t in trajs) / n, "env/return": sum(t.total_reward for t in trajs) / n}
+        result = {"env/success": sum(t.success for t in trajs) / n, "env/return": sum(t.total_reward for t in trajs) / n,
+                  **final_means(trajs, "env")}
         if detector is not None:
             flags = detector(texts, trajectories=trajs) if needs_trajectories(detector) else detector(texts)
             result["rh_rate"] = sum(flags) / n
