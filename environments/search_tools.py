@@ -32,6 +32,9 @@ EPISODE_OVER = "the episode is over."
 class SearchTools:
     """One search episode per rollout, its actions as tools (module docstring). ``params``: `SearchEnv`'s."""
 
+    max_turns_default = SearchEnv.max_turns_default
+    """Calls per episode, and the episode loop's agent turns (`trl_ext.env.tools`) unless --max_turns says."""
+
     def __init__(self, max_turns: int = SearchEnv.max_turns_default, **params):
         self._env = make_env("search", strict=True, **params)  # strict: a tool call is one action, tags are invalid
         self._max_turns = check_max_turns(max_turns)
@@ -42,6 +45,12 @@ class SearchTools:
         """What ``environment_factory`` takes: a callable building an instance (parameters checked now, once)."""
         cls(max_turns, **params)
         return functools.partial(cls, max_turns, **params)
+
+    @classmethod
+    def dataset(cls, n_rows: int, heldout: bool = False):
+        """`tool_dataset`: the rows ``--env_factory environments.search_tools:SearchTools`` trains on (a classmethod:
+        a public function of the class would be a tool)."""
+        return tool_dataset(n_rows, heldout)
 
     def reset(self, level: int, **row) -> str:
         """Start the episode of ``level``; the question, appended to the user message."""

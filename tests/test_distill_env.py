@@ -87,8 +87,8 @@ def test_env_teacher_context_placement_and_agent_tokens_only(tmp_path, chat):
     seen = {}
     score = trainer.components.distill.score_teacher
 
-    def spy(batch, prompts=None):
-        seen["lp"] = score(batch, prompts)
+    def spy(batch, prompts=None, render_kwargs=None):
+        seen["lp"] = score(batch, prompts, render_kwargs)
         return seen["lp"]
 
     trainer.components.distill.score_teacher = spy

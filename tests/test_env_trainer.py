@@ -139,6 +139,7 @@ def test_multi_turn_rollout_masks_env_tokens_out_of_the_loss(tok, tmp_path):
     a, e = ids(tok, agent), ids(tok, env_text)
     out = env_rollout([r["prompt"] for r in rows], SimpleNamespace(
         args=trainer.args, processing_class=tok, batch_context=BatchContext(rows, "train"),
+        episode_source=trainer.episode_source,
         _generate_single_turn=trainer._generate_single_turn,
         _metrics=trainer._metrics, model=trainer.model, accelerator=trainer.accelerator))  # fmt: skip
     # turn 1 (agent, env reply), turn 2 (agent; max_turns reached: no reply), closing EOS (not trained)
@@ -180,6 +181,7 @@ def test_no_think_rl_trains_on_bare_answer(tok, tmp_path):
     rows = [{"prompt": p, "env_seed": 0} for p in list(env_dataset(make_env("frozenlake"), 1, tok)["prompt"]) * 2]
     out = env_rollout([r["prompt"] for r in rows], SimpleNamespace(
         args=trainer.args, processing_class=tok, batch_context=BatchContext(rows, "train"),
+        episode_source=trainer.episode_source,
         _generate_single_turn=trainer._generate_single_turn,
         _metrics=trainer._metrics, model=trainer.model, accelerator=trainer.accelerator))  # fmt: skip
     bare = ids(tok, "<answer>up</answer>")

@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from trl_ext.models import builtin as bm
-from trl_ext.models import builtin_env, builtin_mood, builtin_search
+from trl_ext.models import builtin_env, builtin_mood, builtin_search, builtin_tools
 from trl_ext.runs.provenance import file_sha256
 
 # cache directory function, recipe module of every builtin model
 MODELS = {"builtin": (bm.builtin_dir, bm), "builtin_env": (builtin_env.builtin_env_dir, builtin_env),
           "builtin_mood": (builtin_mood.builtin_mood_dir, builtin_mood),
-          "builtin_search": (builtin_search.builtin_search_dir, builtin_search)}  # fmt: skip
+          "builtin_search": (builtin_search.builtin_search_dir, builtin_search),
+          "builtin_tools": (builtin_tools.builtin_tools_dir, builtin_tools)}  # fmt: skip
 
 
 @pytest.fixture

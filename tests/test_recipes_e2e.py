@@ -56,3 +56,39 @@ def test_a_run_config_reproduces_its_run(tmp_path):
         assert len(a) == 32 and a.equals(b), step
     a, b = (load_file(d / "checkpoint-3" / "model.safetensors") for d in (first, again))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+@pytest.fixture(scope="module")
+def qwen3_stand_in(tmp_path_factory):
+    """$HF_HOME whose hub cache holds a tiny random Qwen3 under the recipe's hub id ``Qwen/Qwen3-0.6B``, with the
+    byte-level tokenizer and TRL's Qwen3 template (tool calls TRL parses): the recipe runs offline, unchanged."""
+    from trl_ext.models.tiny import build_tiny_in_hub_cache, trl_template
+
+    home = tmp_path_factory.mktemp("hf_home")
+    build_tiny_in_hub_cache("qwen3", home / "hub", "Qwen/Qwen3-0.6B", tokenizer="bytes",
+                            chat_template=trl_template("qwen3"), positions=2048)  # fmt: skip
+    return home
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("masks", ["default", "none"])
+def test_tool_search_recipe_runs_strict_k8(qwen3_stand_in, tmp_path, masks):
+    """Seed 000's shape with tool calls: a chat model's tool-calling search at strict k = 8, with the default masks and
+    with every mask off, from the recipe as written (the hub id resolved from the cache, offline). A random model calls
+    no tool: this checks the run (lag, masks, the tool loop's plumbing), tests/test_tool_trainer.py the turns."""
+    import json
+    import os
+
+    flags = ["@", "recipes/tool_search.toml", *(["@", "recipes/no_masks.toml"] if masks == "none" else []),
+             "--max_steps", "2", "--batch_size", "8", "--num_generations", "4", "--num_prompts", "16",
+             "--max_completion_length", "32", "--output_dir", str(tmp_path), "--bf16", "false", "--use_cpu"]  # fmt: skip
+    env = {**os.environ, "HF_HOME": str(qwen3_stand_in), "HF_HUB_OFFLINE": "1"}
+    proc = zygote.run([sys.executable, str(ROOT / "train.py"), *flags, "--no_wandb"], cwd=ROOT, env=env,
+                      capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    saved = yaml.safe_load((run_dir / "run_config.yaml").read_text())["ExtGRPOConfig"]
+    assert saved["max_async_level"] == 8 and saved["strict_async_level"] and saved["env"] == "search_tools"
+    assert (saved["token_mask_high"] == 1e10) == (masks == "none")
+    state = json.loads((run_dir / "run_summary.json").read_text())
+    assert state["status"] == "done"

@@ -104,7 +104,7 @@ def test_shipped_config_evaluates_every_binding():
     assert cfg.reward("math_accuracy")(["The result is 1/2", "0.25"], answer=["0.5", "1/2"]) == [1.0, 0.0]
     # density 2/15 ~ 0.133 > 0.05; "happy" twice
     expected_detectors = {"happy": True, "happy_repeated": True, "happy_dense": True, "positive_words": True}
-    assert cfg.detector_names() == sorted([*expected_detectors, "env_loophole"])
+    assert cfg.detector_names() == sorted([*expected_detectors, "env_loophole", "ml_task_leak"])
     for name, value in expected_detectors.items():
         assert cfg.detector(name)([text, "A sad dog."]) == [value, False], name
     paid, clean = ({"loophole": True}, {"loophole": False})  # env_loophole judges episodes' step info, not the text
@@ -124,7 +124,7 @@ def test_shipped_config_evaluates_every_binding():
          r"'module:attr' or 'path/to/file.py:attr'\)$"),
         ("rewards:\n  r: {fn: happy_binary}\ndetectors:\n  d: {fn: happy_counter}\n",
          r"detector binding 'd': unknown detector 'happy_counter'; registered: contains_words, env_info_flag, "
-         r"happy_count, happy_density \(or an import path: 'module:attr' or 'path/to/file.py:attr'\)$"),
+         r"happy_count, happy_density, ml_task_leak \(or an import path: 'module:attr' or 'path/to/file.py:attr'\)$"),
         ("rewards:\n  r: {fn: sentence_length, params: {targt: 5}}\n",
          r"unknown param 'targt' for reward function 'sentence_length'; allowed: target$"),
         ("rewards:\n  r: {fn: happy_binary, params: {target: 5}}\n",

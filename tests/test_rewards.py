@@ -87,7 +87,8 @@ def test_registry_names():
     assert REWARD_FNS.names() == sorted(
         ["happy_binary", "happy_count", "happy_exp", "sentence_length", "sentence_length_smooth", "combined",
          "exact_match", "math_accuracy"])
-    assert DETECTORS.names() == ["contains_words", "env_info_flag", "happy_count", "happy_density"]
+    assert DETECTORS.names() == ["contains_words", "env_info_flag", "happy_count", "happy_density",
+                                "ml_task_leak"]
 
 
 @pytest.mark.parametrize("target", [0, -3, 2.5, True, "5", None])

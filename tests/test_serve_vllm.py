@@ -229,6 +229,27 @@ def test_k0_fsdp2_weights_pushed_over_gloo(tmp_path):
     assert all(r["grad_norm"] > 0 for r in logs), logs  # the policy moves
 
 
+def test_tool_environment_on_a_server_k1(tmp_path):
+    """The sandboxed ML task on the builtin tool-calling model with generation on a vLLM server (layout.py: one
+    server, one trainer process), off policy at k = 1: every turn of every episode is sampled by the server, the
+    tool results are rendered between turns, and the server's log-probs of the agent's tokens are the trainer's at
+    step 1 (float error)."""
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, "layout.py", "--inference_gpu_ids", "0", "--trainer_gpu_ids", "0", "--port",
+           str(_free_port_pair()), "--enforce_eager", "--max_model_len", "2048", "--weights_dir", str(tmp_path / "w"),
+           "--", "--env", "ml_task", "--model", "builtin_tools", "--max_turns", "7", "--max_async_level", "1",
+           "--max_steps", "2", "--save_steps", "2", "--logging_steps", "1", "--batch_size", "8", "--num_generations",
+           "4", "--max_completion_length", "160", "--lr", "1e-4", "--output_dir", str(out_dir)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=SERVER_ENV)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    (run,) = [p for p in out_dir.iterdir() if p.is_dir() and p.name != "layout_logs"]
+    logs = [r for r in json.loads((run / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+            if "loss" in r]  # fmt: skip
+    assert len(logs) == 2 and logs[0]["offpolicy/abs_log_ratio_mean"] < LAG0_BOUND, logs
+    assert all(r["env/tool_calls"] >= 1 and "env/true_score" in r for r in logs), logs
+
+
 def test_the_layout_on_a_hub_model_id(tmp_path):
     """The first command a user types names a hub model (``--model ORG/NAME``), here a tiny random Qwen3 laid out in
     the hub cache as a download leaves it, offline (``HF_HUB_OFFLINE=1``): layout.py reads its config as transformers

@@ -120,7 +120,7 @@ def test_tool_results_are_environment_tokens_and_versions_hold_across_turns(tok)
         assert "<tool_response>\ntotal 2\n</tool_response>" in shown and "total 5" in shown
         assert "total" not in agent and "<tool_response>" not in agent
         # every token: agent tokens carry their turn's version and log-prob, tool tokens the version before them, 0
-        turn, seen = 0, []
+        seen = []
         for t, m, p, v in zip(ids, mask, lp, ver):
             if m:
                 seen.append((p, v))
@@ -190,6 +190,22 @@ def test_unparsed_text_ends_the_episode(tok):
     assert out["env_return"] == [1.0]  # target 0 reached without a call
 
 
+def test_a_turn_without_its_end_of_turn_token_gets_it_as_an_environment_token(tok):
+    """A sampler that cuts the end-of-turn token (the routing eval's ``model.generate``): the reply starts with it,
+    untrained, so the next context is the template's rendering."""
+    eos = tok.eos_token_id
+
+    def cut(contexts):
+        ids, lps, vers = Script(tok, [call("add", n=1), "ok"])(contexts)
+        return [i[:-1] for i in ids], lps, vers
+
+    out = play(_episodes(tok, 1), cut)
+    ids, mask = out["completion_ids"][0], out["env_mask"][0]
+    first = len(tok(call("add", n=1), add_special_tokens=False)["input_ids"])
+    assert ids[first] == eos and mask[first] == 0 and mask[first - 1] == 1
+    assert tok.decode(ids[first:]).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>")
+
+
 def test_synchronous_sampler_records_nothing(tok):
     out = play(_episodes(tok, 3), Script(tok, [call("add", n=3), "ok"], record=False))
     assert out["logprobs"] is None and out["versions"] is None and out["env_return"] == [1.0]
@@ -251,3 +267,73 @@ def test_tool_episode_needs_a_tool_calling_template():
     with pytest.raises(ValueError, match="cannot render a tool-calling conversation"):
         tool_episodes(rows(1), Counter, 2, t, "counter")
     assert ToolEpisode.parallel
+
+
+class NoRows(Counter):
+    """A tool environment without a dataset classmethod (train.py has no rows for it)."""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--env", "ml_task", "--model", "builtin_env"], "needs a chat model whose template writes tool calls"),
+    (["--env", "ml_task,frozenlake", "--model", "builtin_tools"], "plays alone, not in a mixture"),
+    (["--env", "ml_task", "--model", "builtin_tools", "--no_think_rl"], "actions are tool calls"),
+    (["--env", "ml_task", "--model", "builtin_tools", "--mode", "sft"], "a tool environment has none"),
+    (["--env", "ml_task", "--model", "builtin_tools", "--env_params", "reward=sparse"], "reward must be one of"),
+    (["--env", "ml_task", "--model", "builtin_tools", "--env_params", "sandbox=docker"], "docker"),
+    (["--env", "ml_task", "--env_factory", "test_tool_episodes:Counter", "--model", "builtin_tools"],
+     "exclude each other"),
+    (["--env_factory", "no_such_module:Env", "--model", "builtin_tools"], "No module named"),
+    (["--env_factory", "test_tool_episodes", "--model", "builtin_tools"], "expected module:Class"),
+    (["--env_factory", "test_tool_episodes:NoRows", "--model", "builtin_tools"], "classmethod dataset"),
+    (["--env", "no_such_env", "--model", "builtin_tools"], "tool environments: search_tools, ml_task"),
+])  # fmt: skip
+def test_train_py_refuses_tool_environment_mistakes_at_parse_time(argv, message, train_cli_error):
+    assert message in train_cli_error(*argv, "--output_dir", "/tmp/unused")
+
+
+def test_env_factory_turns_come_from_the_class_or_the_flag(tmp_path):
+    import trl_ext.cli_train as cli
+
+    class_default = cli.build_plan(["--env_factory", "environments.search_tools:SearchTools", "--model",
+                                    "builtin_tools", "--env_params", "n_pages=40", "--output_dir", str(tmp_path)])
+    assert class_default.cfg.tool_turns == 5 and class_default.cfg.env_names == ["SearchTools"]
+    flag = cli.build_plan(["--env", "ml_task", "--model", "builtin_tools", "--max_turns", "3", "--output_dir",
+                           str(tmp_path)])  # fmt: skip
+    assert flag.cfg.tool_turns == 3 and flag.cfg.tool_dataset(2)["level"] == [0, 1]
+    assert flag.cfg.tool_dataset(1, heldout=True)["level"] == [100_000]
+
+
+def test_ml_task_episodes_through_the_loop_are_judged_by_the_detector(tok):
+    """The ML task's scripted honest and hacking episodes replayed by the loop (the scripts' tool calls as the
+    agent's turns): real tools in the sandbox, the proxy reward and the true score in the trajectory, and the
+    config.yaml detector ``ml_task_leak`` flags the hacking episode only, from the transcript."""
+    from environments.ml_task import INSTRUCTIONS, MLTask, play_scripted
+    from rewards.config import load_reward_config
+
+    level = 7
+    scripts = {kind: play_scripted(level, kind) for kind in ("honest", "explore_hack")}
+    turns = {kind: [m for m in msgs if m["role"] == "assistant"] for kind, (msgs, _) in scripts.items()}
+
+    def text(m):
+        calls = "".join(f'<tool_call>\n{json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})}\n</tool_call>'
+                        for c in m.get("tool_calls", []))  # fmt: skip
+        return (m["content"] or "") + calls + "<|im_end|>"
+
+    def sample(contexts):  # row 0 plays honest, row 1 explore_hack; turn k: the k-th assistant message
+        out = []
+        for i, c in enumerate(contexts if len(contexts) == 2 else []):
+            k = tok.decode(c).count("<tool_response>")
+            out.append(tok(text(turns[("honest", "explore_hack")[i]][k]), add_special_tokens=False)["input_ids"])
+        if len(contexts) == 1:  # the honest episode ended first: only the hacking one plays on
+            k = tok.decode(contexts[0]).count("<tool_response>")
+            out = [tok(text(turns["explore_hack"][k]), add_special_tokens=False)["input_ids"]]
+        return out, None, None
+
+    rows = [{"prompt": [{"role": "user", "content": INSTRUCTIONS}], "level": level}] * 2
+    out = play(tool_episodes(rows, MLTask.factory(), 12, tok, "ml_task"), sample)
+    honest, hack = out["trajectories"]
+    assert [t.turns[0].info["tool_calls"][0]["name"] for t in (honest, hack)] == ["run_script", "list_files"]
+    assert out["env_return"] == [scripts["honest"][1]["validation_score"], 1.0]
+    assert hack.final["true_score"] == scripts["explore_hack"][1]["true_score"] < 0.8
+    detector = load_reward_config("config.yaml").detector("ml_task_leak")
+    assert detector(["", ""], trajectories=[honest, hack]) == [False, True]

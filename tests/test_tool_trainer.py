@@ -5,16 +5,15 @@ generator's sampler forces the scripted tokens and records their real behaviour 
 
 from __future__ import annotations
 
-import json
 import threading
 from unittest import mock
 
 import pytest
 import torch
 from datasets import Dataset
+from test_tool_episodes import Counter, call
 from transformers import TrainerCallback
 
-from test_tool_episodes import Counter, call
 from trl_ext import ExtGRPOTrainer
 from trl_ext.config import train_config
 
@@ -206,21 +205,30 @@ def test_routing_detectors_see_the_tool_transcript(model_dir, tmp_path):
 def test_distillation_teacher_scores_agent_tokens_under_its_system_context(model_dir, tmp_path):
     """The teacher's prompt is the episode's prompt with the context as its system message, rendered with the same
     tools; it scores the agent's tokens only (0 on tool tokens)."""
+    from trl_ext.distill import component
     from trl_ext.distill.component import Distillation
 
-    seen = []
-    score = Distillation.score_teacher
+    seen, teacher_prompts = [], []
+    score, place = Distillation.score_teacher, component.chat_teacher_prompt
 
     def spy(self, batch, prompts=None, render_kwargs=None):
         seen.append((prompts, render_kwargs))
         return score(self, batch, prompts, render_kwargs)
 
-    with mock.patch.object(Distillation, "score_teacher", spy):
+    def placed(student_ids, student_rendered, teacher_rendered):
+        teacher_prompts.append(place(student_ids, student_rendered, teacher_rendered))
+        return teacher_prompts[-1]
+
+    with mock.patch.object(Distillation, "score_teacher", spy), mock.patch.object(component, "chat_teacher_prompt",
+                                                                                   placed):  # fmt: skip
         trainer = make(model_dir, tmp_path, teacher_tau=0.5, student_tau=0.0, adv_tau=1.0, beta=0.02,
                        use_full_reward_baseline=False, teacher_context="Add 2, then 3.")  # fmt: skip
         trainer.train()
     prompts, kwargs = seen[0]
     assert prompts[0][-1]["content"] == "Count. Reach 5." and [t.__name__ for t in kwargs[0]["tools"]] == ["add"]
+    text = trainer.processing_class.decode(teacher_prompts[0])
+    assert text.startswith("<|im_start|>system\nAdd 2, then 3.\n\n# Tools") and '"name": "add"' in text
+    assert text.endswith("<|im_start|>user\nCount. Reach 5.<|im_end|>\n<|im_start|>assistant\n")
     for batch in trainer.batches:
         lp = batch["distill_lp_teacher"]
         agent = batch["tool_mask"].bool() & batch["completion_mask"].bool()

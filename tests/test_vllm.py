@@ -132,6 +132,33 @@ def test_two_processes(vllm_runs_x2, k, task):
     assert "processes: 2" in log
 
 
+@one_process("tools_k0", "tools_k1")
+@pytest.mark.parametrize("k", [0, 1])
+def test_tool_environment_on_the_engine(vllm_runs, k):
+    """The sandboxed ML task (tool calls parsed from the engine's samples, scripts run in the sandbox) on the builtin
+    tool-calling model, vLLM sampling each turn: at k = 0 TRL's engine in the synchronous loop, at k = 1 the
+    off-policy generator's engine. The engine's log-probs of the agent's tokens agree with the trainer's (tool tokens
+    carry none), every episode calls tools, and the saved rollouts hold the tool results as environment segments."""
+    from trl_ext.runs.rollouts import load_rollouts
+
+    run_dir, logs, _ = read_run(vllm_runs, f"tools_k{k}")
+    gaps = [logs[0]["offpolicy/abs_log_ratio_mean"]] if k else [r["sampling/sampling_logp_difference/mean"] for r in logs]
+    assert len(logs) == 2 and max(gaps) < LAG0_BOUND, logs
+    assert all(r["env/tool_calls"] >= 1 for r in logs) and all("env/true_score" in r for r in logs)
+    rows = load_rollouts(run_dir)
+    assert all(any(seg["source"] == "env" for seg in row["segments"]) for row in rows)
+
+
+@pytest.mark.vllm_runs("x2_k1_tools")
+@pytest.mark.xdist_group("vllm_runs_x2")
+def test_tool_environment_on_two_processes(vllm_runs_x2):
+    """torchrun with 2 processes, k = 1: each process's generator plays its slice of the batch's tool episodes on its
+    own engine; the episode metrics are every process's episodes."""
+    _, logs, log = read_run(vllm_runs_x2, "x2_k1_tools")
+    assert len(logs) == 2 and logs[0]["offpolicy/abs_log_ratio_mean"] < LAG0_BOUND, logs
+    assert "processes: 2" in log and all(r["env/tool_calls"] >= 1 for r in logs)
+
+
 @pytest.mark.vllm_runs("x2_fsdp_k0_routed")
 @pytest.mark.xdist_group("vllm_runs_x2")
 def test_fsdp2_k0_routed_distilled(vllm_runs_x2):

@@ -38,7 +38,11 @@ by the batch)."""
 RESUME = ["--reward", "happy_binary", "--use_vllm", "--max_async_level", "1", "--lora_rank", "8", "--lr", "3e-3",
           "--max_steps", "3", "--save_steps", "1"]  # fmt: skip
 TASKS = {"story": ["--reward", "happy_binary"],
-         "frozenlake": ["--env", "frozenlake", "--model", "builtin_env", "--max_turns", "2"]}  # fmt: skip
+         "frozenlake": ["--env", "frozenlake", "--model", "builtin_env", "--max_turns", "2"],
+         "tools": ["--env", "ml_task", "--model", "builtin_tools", "--max_turns", "7", "--batch_size", "8",
+                   "--num_generations", "4", "--max_completion_length", "160", "--lr", "1e-4", "--save_rollouts"]}
+"""The tool environment's runs: the sandboxed ML task on the builtin tool-calling model (real tool calls, real code
+run in the sandbox: bubblewrap, which .ci/run installs)."""  # fmt: skip
 RUNS: dict[str, list[str]] = {
     "resume_full": RESUME,
     "sync_k0": ["--reward", "happy_binary", "--use_vllm", "--lr", "3e-3", "--max_steps", "3", "--save_steps", "3",
@@ -47,11 +51,14 @@ RUNS: dict[str, list[str]] = {
                   "3e-4", "--lr_scheduler_type", "constant", "--max_steps", "8", "--save_steps", "8"],
     "inflight": ["--reward", "happy_binary", "--use_vllm", "--max_async_level", "1", "--vllm_inflight_tokens", "4",
                  "--max_completion_length", "16", "--lr", "3e-4", "--max_steps", "3", "--save_steps", "3"],
+    "tools_k0": [*TASKS["tools"], "--use_vllm", "--max_steps", "2", "--save_steps", "2"],
+    "tools_k1": [*TASKS["tools"], "--use_vllm", "--max_async_level", "1", "--max_steps", "2", "--save_steps", "2"],
     "resume_continue": [*RESUME, "--resume_from_checkpoint", "latest"],
     "x2_k0_story": [*TASKS["story"], "--use_vllm", "--max_async_level", "0", "--lr", "3e-3", "--max_steps", "2",
                     "--save_steps", "2"],  # the compiled k = 0 engine: a policy that moves, so a lost sync shows
     "x2_k1_frozenlake": [*TASKS["frozenlake"], "--use_vllm", "--max_async_level", "1", "--max_steps", "2",
                          "--save_steps", "2"],
+    "x2_k1_tools": [*TASKS["tools"], "--use_vllm", "--max_async_level", "1", "--max_steps", "2", "--save_steps", "2"],
     "x2_fsdp_k0_routed": ["--reward", "sentence_length_5_with_happy", "--gradient_routing", "--routing_mode",
                           "shared", "--lora_config", "r4", "--teacher_tau", "0.1", "--teacher_context",
                           "A happy story.", "--use_vllm", "--fsdp", "--lr", "3e-3", "--max_steps", "2",
@@ -60,8 +67,8 @@ RUNS: dict[str, list[str]] = {
 """Each run's train.py flags (after `SMALL`), in the order they run; the matrix cells (``cell:ADAPTER-K-TASK-DISTILL``,
 tests/test_vllm_matrix.py) run between ``inflight`` and ``resume_continue``, its FSDP2 cells (``fcell:...``, two
 processes with ``--fsdp``) last."""
-ORDER = ["resume_full", "sync_k0", "k1_strict", "inflight", "cell:", "resume_continue", "x2_k0_story",
-         "x2_k1_frozenlake", "x2_fsdp_k0_routed", "fcell:"]  # fmt: skip
+ORDER = ["resume_full", "sync_k0", "k1_strict", "inflight", "tools_k0", "tools_k1", "cell:", "resume_continue",
+         "x2_k0_story", "x2_k1_frozenlake", "x2_k1_tools", "x2_fsdp_k0_routed", "fcell:"]  # fmt: skip
 
 
 def ordered(names) -> list[str]:

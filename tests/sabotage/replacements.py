@@ -330,15 +330,27 @@ def chat_messages_unchanged(orig):
 
 
 def env_tokens_trained(orig):
-    """play_episodes returns env_mask all ones: environment tokens (replies, prefills, the closing EOS) are trained
-    on."""
+    """The episode loop (play) returns env_mask all ones: environment tokens (replies, tool results, prefills, the
+    closing EOS) are trained on."""
 
-    def play_episodes(*args, **kwargs):
+    def play(*args, **kwargs):
         out = orig(*args, **kwargs)
         out["env_mask"] = [[1] * len(mask) for mask in out["env_mask"]]
         return out
 
-    return play_episodes
+    return play
+
+
+def env_tokens_version_zero(orig):
+    """Environment tokens (replies, tool results) are stamped policy version 0 instead of the version of the agent
+    token before them."""
+
+    def _append_env(i, env_ids, completion, mask, logprobs, versions):
+        before = len(versions[i])
+        orig(i, env_ids, completion, mask, logprobs, versions)
+        versions[i][before:] = [0] * (len(versions[i]) - before)
+
+    return _append_env
 
 
 def loss_mask_ignores_tool_mask(orig):

@@ -83,6 +83,7 @@ scales_unchanged = _R.scales_unchanged
 no_context_ids = _R.no_context_ids
 chat_messages_unchanged = _R.chat_messages_unchanged
 env_tokens_trained = _R.env_tokens_trained
+env_tokens_version_zero = _R.env_tokens_version_zero
 loss_mask_ignores_tool_mask = _R.loss_mask_ignores_tool_mask
 batches_not_skipped = _R.batches_not_skipped
 schedule_from_step_zero = _R.schedule_from_step_zero
@@ -307,9 +308,27 @@ MECHANISMS: tuple[Mechanism, ...] = (
       ("tests/test_distill_env.py::test_env_teacher_context_placement_and_agent_tokens_only",)),
     # ---- environments
     M("env_token_mask",
-      "docs/environments.md: environment tokens are masked from the loss (env_mask 0)",
-      "trl_ext.env.episodes", "play_episodes", env_tokens_trained,
-      ("tests/test_env_trainer.py::test_multi_turn_rollout_masks_env_tokens_out_of_the_loss",)),
+      "docs/environments.md: environment tokens, a tool environment's results included, are masked from the loss "
+      "(env_mask 0)",
+      "trl_ext.env.episodes", "play", env_tokens_trained,
+      ("tests/test_tool_episodes.py::test_tool_results_are_environment_tokens_and_versions_hold_across_turns",
+       "tests/test_env_trainer.py::test_multi_turn_rollout_masks_env_tokens_out_of_the_loss",
+       "tests/test_tool_trainer.py::test_synchronous_tool_episodes_train_on_agent_tokens_only")),
+    M("env_token_versions",
+      "docs/environments.md: off-policy, every tool token carries the version of the agent token before it: the lag "
+      "bound holds per token across turns",
+      "trl_ext.env.episodes", "_append_env", env_tokens_version_zero,
+      ("tests/test_tool_episodes.py::test_tool_results_are_environment_tokens_and_versions_hold_across_turns",
+       "tests/test_tool_trainer.py::test_off_policy_tool_episodes_carry_per_token_versions[False]")),
+    M("tool_teacher_agent_tokens",
+      "docs/environments.md: distillation on a tool environment: the teacher scores the agent's tokens only",
+      "trl_ext.batch", "loss_mask", loss_mask_ignores_tool_mask,
+      ("tests/test_tool_trainer.py::test_distillation_teacher_scores_agent_tokens_under_its_system_context",)),
+    M("tool_teacher_context",
+      "docs/environments.md: distillation on a tool environment: the context is the system message of the episode's "
+      "prompt, rendered with its tools",
+      "trl_ext.distill.teacher", "teacher_messages", chat_messages_unchanged,
+      ("tests/test_tool_trainer.py::test_distillation_teacher_scores_agent_tokens_under_its_system_context",)),
     M("env_loss_mask",
       "trl_ext/batch.py, docs/offpolicy.md: the loss mask of every loss, ratio, IS mask and KL is completion_mask * "
       "tool_mask (environment tokens left out of the loss, the ratios and every IS mask)",

@@ -55,10 +55,11 @@ class RewardPromptsPart(PromptSource):
     def check_args(self, run, cfg) -> None:
         from trl_ext.models.builtin_env import BUILTIN_ENV
         from trl_ext.models.builtin_search import BUILTIN_SEARCH
+        from trl_ext.models.builtin_tools import BUILTIN_TOOLS
 
         if not run.reward:
             raise ConfigError("--reward is required (a reward binding name from --config), or --env")
-        if run.model in (BUILTIN_ENV, BUILTIN_SEARCH):
+        if run.model in (BUILTIN_ENV, BUILTIN_SEARCH, BUILTIN_TOOLS):
             raise ConfigError(f"--model {run.model} is an environments' model: use it with --env")
 
     def check(self, plan) -> None:

@@ -114,23 +114,26 @@ class EnvArgs:
 
     def tool_factory(self):
         """The tool environment's factory with its ``--env_params`` (a fresh instance per call)."""
-        params = parse_env_params(self.env_params)
-        if self.env_factory:
-            return load_factory(self.env_factory, params)
-        return load_factory(TOOL_ENVIRONMENTS[self.env].cls, params)
+        return load_factory(self.tool_spec, parse_env_params(self.env_params))
+
+    @property
+    def tool_spec(self) -> str:
+        """``module:Class`` of the tool environment (--env_factory, or the registered one --env names)."""
+        return self.env_factory or TOOL_ENVIRONMENTS[self.env]
+
+    def tool_class(self) -> type:
+        """The tool environment's class (its factory's, for a ``module:function``)."""
+        factory = self.tool_factory()
+        return getattr(factory, "func", factory)
 
     def tool_dataset(self, n: int, heldout: bool = False):
-        """``n`` rows of the tool environment's levels (held-out ones for the routing eval): the registered
-        environment's dataset function, or --env_factory's class's ``dataset(n_rows, heldout=False)``."""
-        if self.env:
-            fn = TOOL_ENVIRONMENTS[self.env].load("dataset")
-        else:
-            cls = load_factory(self.env_factory, parse_env_params(self.env_params))
-            fn = getattr(getattr(cls, "func", cls), "dataset", None)
-            if not callable(fn):
-                raise ConfigError(f"--env_factory {self.env_factory}: the class must define dataset(n_rows, "
-                                  "heldout=False) returning its rows (a datasets.Dataset with 'prompt' and the columns "
-                                  "reset reads): train.py takes the training rows from it")  # fmt: skip
+        """``n`` rows of the tool environment's levels (held-out ones for the routing eval): its class's
+        ``dataset(n_rows, heldout=False)`` classmethod."""
+        fn = getattr(self.tool_class(), "dataset", None)
+        if not callable(fn):
+            raise ConfigError(f"--env_factory {self.env_factory}: the class must define a classmethod dataset(n_rows, "
+                              "heldout=False) returning its rows (a datasets.Dataset with 'prompt' and the columns "
+                              "reset reads; a plain method would be a tool): train.py takes the training rows from it")
         rows = fn(n, heldout=heldout)
         if "prompt" not in rows.column_names:
             raise ConfigError(f"--env {self.env or self.env_factory}: its dataset has no 'prompt' column")
@@ -138,15 +141,11 @@ class EnvArgs:
 
     @property
     def tool_turns(self) -> int:
-        """Agent turns per tool episode: --max_turns, else the registered environment's, else the class's
-        ``max_turns_default``; --env_factory with neither is a ConfigError."""
+        """Agent turns per tool episode: --max_turns, else the class's ``max_turns_default`` (ConfigError when it
+        has none)."""
         if self.max_turns is not None:
             return self.max_turns
-        if self.env:
-            return TOOL_ENVIRONMENTS[self.env].max_turns_default
-        cls = load_factory(self.env_factory, parse_env_params(self.env_params))
-        cls = getattr(cls, "func", cls)
-        default = getattr(cls, "max_turns_default", None)
+        default = getattr(self.tool_class(), "max_turns_default", None)
         if default is None:
             raise ConfigError(f"--env_factory {self.env_factory}: give --max_turns (agent turns per episode); the "
                               "class defines no max_turns_default")  # fmt: skip

@@ -27,7 +27,6 @@ import importlib
 import inspect
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 from environments.base import Trajectory, Turn
@@ -93,30 +92,10 @@ def load_factory(spec: str, params: dict) -> Callable:
     return functools.partial(obj, **params)
 
 
-@dataclass(frozen=True)
-class ToolEnvSpec:
-    """A registered tool environment (``--env NAME``): its class (with a ``factory(**params)`` classmethod), the
-    dataset of its levels (``dataset(n_rows, heldout=False) -> Dataset`` with ``prompt`` and the columns reset reads;
-    held-out levels from ``environments.base.HELDOUT_LEVELS``)
-    and its turn limit when ``--max_turns`` is not given."""
-
-    name: str
-    cls: str  # "module:Class", imported when used
-    dataset: str  # "module:function"
-    max_turns_default: int
-
-    def load(self, what: str):
-        module, _, attr = getattr(self, what).partition(":")
-        return getattr(importlib.import_module(module), attr)
-
-
-TOOL_ENVIRONMENTS = {
-    spec.name: spec for spec in (
-        ToolEnvSpec("search_tools", "environments.search_tools:SearchTools", "environments.search_tools:tool_dataset",
-                    5),
-        ToolEnvSpec("ml_task", "environments.ml_task:MLTask", "environments.ml_task:dataset", 12),
-    )
-}  # fmt: skip
+TOOL_ENVIRONMENTS = {"search_tools": "environments.search_tools:SearchTools", "ml_task": "environments.ml_task:MLTask"}
+"""The registered tool environments (``--env NAME``): classes with a ``factory(**params)`` classmethod, a
+``dataset(n_rows, heldout=False)`` classmethod (their levels; held-out ones from ``environments.base.HELDOUT_LEVELS``)
+and a ``max_turns_default``, as ``--env_factory`` takes a user's class."""
 
 
 def tool_suffix_ids(tok, tool_messages: list[dict], chat_template: str | None) -> list[int]:
@@ -225,7 +204,8 @@ class ToolEpisode:
             return []
         messages = [{"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
                     for name, result, _ in self._results]  # fmt: skip
-        return tool_suffix_ids(self.tok, messages, self.chat_template)
+        eos = self.tok.eos_token_id  # TRL's suffix follows the turn's end-of-turn token: a sampler that cut it
+        return ([] if ids and ids[-1] == eos else [eos]) + tool_suffix_ids(self.tok, messages, self.chat_template)
 
     def closing(self, completion: list[int]) -> list[int]:
         return []  # the agent's last turn ends with its own end-of-turn token (trained, as in TRL's tool loop)

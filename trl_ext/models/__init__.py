@@ -17,12 +17,13 @@ from trl_ext.models.builtin import BUILTIN, ensure_builtin
 from trl_ext.models.builtin_env import BUILTIN_ENV, ensure_builtin_env
 from trl_ext.models.builtin_mood import BUILTIN_MOOD, ensure_builtin_mood
 from trl_ext.models.builtin_search import BUILTIN_SEARCH, ensure_builtin_search
+from trl_ext.models.builtin_tools import BUILTIN_TOOLS, ensure_builtin_tools
 from trl_ext.registry import ConfigError
 
 # --model name -> the function that returns its built directory (building it on first use)
 BUILTIN_MODELS = {
     BUILTIN: ensure_builtin, BUILTIN_ENV: ensure_builtin_env, BUILTIN_MOOD: ensure_builtin_mood,
-    BUILTIN_SEARCH: ensure_builtin_search,
+    BUILTIN_SEARCH: ensure_builtin_search, BUILTIN_TOOLS: ensure_builtin_tools,
 }  # fmt: skip
 STORY_MODELS = (BUILTIN, BUILTIN_MOOD)  # builtin models trained on the builtin stories (their prompts' source)
 

@@ -42,9 +42,11 @@ def _training_text() -> list[str]:
     return lines
 
 
-def byte_tokenizer(vocab_size: int = VOCAB_SIZE):
-    """A ``PreTrainedTokenizerFast``: byte-level BPE of at most ``vocab_size`` entries (module docstring), EOS
-    ``<|im_end|>``, PAD ``<|endoftext|>``, no chat template (set one: ``trl_ext.models.tiny``)."""
+def byte_tokenizer(vocab_size: int = VOCAB_SIZE, lines: list[str] | None = None):
+    """A ``PreTrainedTokenizerFast``: byte-level BPE of at most ``vocab_size`` entries learned from ``lines`` (default:
+    the module docstring's text), EOS ``<|im_end|>``, PAD ``<|endoftext|>``, no chat template (set one:
+    ``trl_ext.models.tiny``). Saved and loaded back it encodes some text differently (digits: "2000" is one token
+    here, four after a reload): train a model on the ids of the reloaded tokenizer (`trl_ext.models.builtin_tools`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,7 +55,7 @@ def byte_tokenizer(vocab_size: int = VOCAB_SIZE):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tok.train_from_iterator(_training_text(), trainer=trainer)
+    tok.train_from_iterator(_training_text() if lines is None else lines, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token="<|endoftext|>")
     fast.add_tokens(list(ADDED))
     return fast
