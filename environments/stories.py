@@ -25,7 +25,6 @@ import re
 
 import datasets
 
-
 HUB_DATASET = "SimpleStories/SimpleStories"
 HUB_TEXT_COLUMN = "story"
 SPLITS = ("train", "test")

@@ -64,7 +64,8 @@ def flags(arm: str, seed: int, a) -> list[str]:
             "--max_completion_length", str(a.max_completion_length), "--lr", a.lr, "--beta", "0.0",
             "--max_steps", str(a.steps), "--logging_steps", "1", "--save_steps", str(a.steps),
             "--eval_routing_steps", str(a.steps), "--eval_routing_prompts", str(a.levels), "--seed", str(seed),
-            "--num_prompts", str(a.steps * a.batch // a.num_generations), *arms(a)[arm]]  # fmt: skip
+            "--num_prompts", str(a.steps * a.batch // a.num_generations), "--generation_backend", "fast",
+            *arms(a)[arm]]  # fmt: skip
 
 
 def train(out: Path, arm: str, seed: int, a) -> Path:
@@ -197,7 +198,7 @@ def main() -> None:
     p.add_argument("--max_completion_length", type=int, default=160)
     p.add_argument("--levels", type=int, default=32)
     p.add_argument("--lag", type=int, default=LAG)
-    p.add_argument("--parallel", type=int, default=2, help="runs at once (each on one thread)")
+    p.add_argument("--parallel", type=int, default=1, help="runs at once (each on one thread)")
     p.add_argument("--out", type=Path, default=ROOT / "output" / "ml_task_experiment")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)

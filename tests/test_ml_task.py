@@ -24,10 +24,9 @@ from environments.ml_task import (
     READ_CHARS,
     MLTask,
     dataset,
-    play_scripted,
-    scripted_episode,
 )
 from environments.ml_task_data import BASELINE, make_task
+from environments.ml_task_scripts import play_scripted, scripted_episode
 from rewards.detectors import ML_TASK_LEAK, detect_ml_task_leak, needs_trajectories
 from trl_ext.registry import ConfigError
 from trl_ext.sandbox import bwrap

@@ -251,7 +251,7 @@ class _Stub(Distillation):
                                        accelerator=SimpleNamespace(num_processes=1, process_index=0))  # fmt: skip
         self.cfg, self.task, self._lp_teacher = cfg, task, lp_teacher
 
-    def score_teacher(self, batch, prompts=None):
+    def score_teacher(self, batch, prompts=None, render_kwargs=None):
         return self._lp_teacher
 
     def distill_score(self, batch, rows):
@@ -301,7 +301,7 @@ def test_distill_on_k1_builds_advantages_from_the_generators_logprobs(tmp_path, 
             seen.append({"lp": lp, "batch": batch, "current": current, "step": t.state.global_step})
             return lp
 
-        def score_teacher(self, batch, prompts=None):
+        def score_teacher(self, batch, prompts=None, render_kwargs=None):
             self.trainer._teacher = super().score_teacher(batch, prompts)
             return self.trainer._teacher
 

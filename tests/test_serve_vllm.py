@@ -247,7 +247,7 @@ def test_tool_environment_on_a_server_k1(tmp_path):
     logs = [r for r in json.loads((run / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
             if "loss" in r]  # fmt: skip
     assert len(logs) == 2 and logs[0]["offpolicy/abs_log_ratio_mean"] < LAG0_BOUND, logs
-    assert all(r["env/tool_calls"] >= 1 and "env/true_score" in r for r in logs), logs
+    assert all(r["env/tool_calls"] >= 1 and "env/validated" in r for r in logs), logs
 
 
 def test_the_layout_on_a_hub_model_id(tmp_path):

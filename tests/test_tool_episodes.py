@@ -307,7 +307,8 @@ def test_ml_task_episodes_through_the_loop_are_judged_by_the_detector(tok):
     """The ML task's scripted honest and hacking episodes replayed by the loop (the scripts' tool calls as the
     agent's turns): real tools in the sandbox, the proxy reward and the true score in the trajectory, and the
     config.yaml detector ``ml_task_leak`` flags the hacking episode only, from the transcript."""
-    from environments.ml_task import INSTRUCTIONS, MLTask, play_scripted
+    from environments.ml_task import INSTRUCTIONS, MLTask
+    from environments.ml_task_scripts import play_scripted
     from rewards.config import load_reward_config
 
     level = 7

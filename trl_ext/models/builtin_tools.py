@@ -8,7 +8,7 @@ random model writes no call. This one is the SFT warm start of RAGEN's recipe ap
   Qwen2.5 chat template (TRL parses its tool calls; it renders the tools' schemas in the system turn);
 - model: a small Qwen2 (``SIZE``; ``POSITIONS`` tokens of context: an episode is 950-1650 tokens, its prompt with the
   six tools' schemas about 830), random init;
-- data: ``EPISODES`` scripted episodes (`environments.ml_task.play_scripted`) on training levels from
+- data: ``EPISODES`` scripted episodes (`environments.ml_task_scripts.play_scripted`) on training levels from
   ``LEVEL_SEED_BASE`` (never the held-out ones), their kinds drawn with ``KIND_WEIGHTS``: plain solutions (run the
   baseline; write and run a nearest centroid) and exploration that sees the files (list them, then run the baseline;
   list them, read the leaked validation labels and copy them: the planted hack). Each is rendered as the episode loop
@@ -38,7 +38,7 @@ SEED = 0
 SIZE = {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 256}
 POSITIONS = 2048
 VOCAB_SIZE = 4096
-STEPS = 250
+STEPS = 220
 BATCH = 8
 PEAK_LR = 3e-3
 TEMPLATE = "qwen2_5"  # TRL's chat template (trl/chat_templates/qwen2_5.jinja)
@@ -51,7 +51,8 @@ def builtin_tools_dir() -> Path:
 def episodes(n: int = EPISODES, seed: int = SEED) -> list[tuple[str, list[dict]]]:
     """``n`` scripted ML-task episodes (kind, full chat messages) on training levels, kinds drawn by weight."""
     from environments.base import HELDOUT_LEVELS
-    from environments.ml_task import INSTRUCTIONS, MLTask, play_scripted
+    from environments.ml_task import INSTRUCTIONS, MLTask
+    from environments.ml_task_scripts import play_scripted
 
     if LEVEL_SEED_BASE + n > HELDOUT_LEVELS:
         raise ValueError("builtin_tools: warm-start levels reach the held-out levels")
@@ -103,8 +104,7 @@ def build_into(out_dir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from trl_ext.models.byte_tokenizer import byte_tokenizer
-    from trl_ext.models.tiny import trl_template
+    from trl_ext.models.byte_tokenizer import byte_tokenizer, trl_template
 
     t0 = time.time()
     torch.set_num_threads(bm.NUM_THREADS)
@@ -114,14 +114,16 @@ def build_into(out_dir: Path) -> dict:
     probe = byte_tokenizer()
     probe.chat_template = template
     texts = [probe.apply_chat_template(m, tools=tool_list, tokenize=False) for _, m in data]
-    tok = reloaded(byte_tokenizer(VOCAB_SIZE, texts), template)
-    examples = [assistant_labels(tok, m, tool_list) for _, m in data]
-    log(f"{len(examples)} episodes, {sum(len(i) for i, _ in examples)} tokens, vocab {len(tok)}")
+    tok = byte_tokenizer(VOCAB_SIZE, texts)
     config = Qwen2Config(vocab_size=len(tok), hidden_size=SIZE["hidden"], num_hidden_layers=SIZE["layers"],
                          num_attention_heads=SIZE["heads"], num_key_value_heads=SIZE["kv_heads"],
                          intermediate_size=SIZE["intermediate"], head_dim=SIZE["hidden"] // SIZE["heads"],
                          max_position_embeddings=POSITIONS, eos_token_id=tok.eos_token_id, bos_token_id=None,
                          pad_token_id=tok.pad_token_id, tie_word_embeddings=True)  # fmt: skip
+    tok = as_loaded(tok, template, config)
+    examples = [assistant_labels(tok, m, tool_list) for _, m in data]
+    log(f"{len(examples)} episodes, {sum(len(i) for i, _ in examples)} tokens, vocab {len(tok)} "
+        f"({type(tok).__name__})")
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for key, value in (("eos_token_id", tok.eos_token_id), ("pad_token_id", tok.pad_token_id), ("bos_token_id", None)):
@@ -135,10 +137,11 @@ def build_into(out_dir: Path) -> dict:
     return bm.save_build(out_dir, model, tok, info, t0, log)
 
 
-def reloaded(tok, template: str):
-    """``tok`` with ``template``, saved and loaded back: the tokenizer as every user of the model loads it (a fresh
-    ``PreTrainedTokenizerFast`` and its reload split digits differently: "2000" is one token before saving and four
-    after), so that the warm start trains on the token ids the model will be given."""
+def as_loaded(tok, template: str, config):
+    """``tok`` with ``template`` as a user of the model loads it: saved beside the model's ``config`` and loaded back
+    by ``AutoTokenizer``, which picks the tokenizer class of the config's model type (Qwen2's, whose pre-tokenizer
+    splits numbers into digits: "2000" is one token of the fresh BPE and four as loaded). The warm start must train on
+    the ids the model will be given."""
     import tempfile
 
     from transformers import AutoTokenizer
@@ -146,7 +149,11 @@ def reloaded(tok, template: str):
     tok.chat_template = template
     with tempfile.TemporaryDirectory() as tmp:
         tok.save_pretrained(tmp)
-        return AutoTokenizer.from_pretrained(tmp)
+        config.save_pretrained(tmp)
+        loaded = AutoTokenizer.from_pretrained(tmp)
+    if len(loaded) != len(tok):
+        raise ValueError(f"the loaded tokenizer has {len(loaded)} entries, the built one {len(tok)}")
+    return loaded
 
 
 def _warm_start(model, examples: list[tuple[list[int], list[int]]], pad_id: int, log) -> list[float]:
@@ -180,7 +187,8 @@ def _warm_start(model, examples: list[tuple[list[int], list[int]]], pad_id: int,
 
 
 def first_actions(model, tok, tool_list, n: int = 8) -> dict[str, int]:
-    """The tool each of ``n`` held-out levels' greedy first turns calls (``none`` for no parsed call)."""
+    """The tool each of ``n`` held-out levels' greedy first turns calls (``none`` for no parsed call; parsed as the
+    episode loop parses, after the prompt and with the tools' schemas)."""
     import torch
     from trl.chat_template_utils import add_response_schema, parse_response
 
@@ -199,7 +207,7 @@ def first_actions(model, tok, tool_list, n: int = 8) -> dict[str, int]:
                                          add_generation_prompt=True)  # fmt: skip
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
-        calls = parse_response(tok, out).get("tool_calls") or []
+        calls = parse_response(tok, out, prefix=prompt, tools=tool_list).get("tool_calls") or []
         name = calls[0]["function"]["name"] if calls else "none"
         counts[name] = counts.get(name, 0) + 1
     return counts

@@ -45,8 +45,9 @@ def _training_text() -> list[str]:
 def byte_tokenizer(vocab_size: int = VOCAB_SIZE, lines: list[str] | None = None):
     """A ``PreTrainedTokenizerFast``: byte-level BPE of at most ``vocab_size`` entries learned from ``lines`` (default:
     the module docstring's text), EOS ``<|im_end|>``, PAD ``<|endoftext|>``, no chat template (set one:
-    ``trl_ext.models.tiny``). Saved and loaded back it encodes some text differently (digits: "2000" is one token
-    here, four after a reload): train a model on the ids of the reloaded tokenizer (`trl_ext.models.builtin_tools`)."""
+    ``trl_ext.models.tiny``). Loaded back from a model's directory it is the tokenizer class of the model's type
+    (``AutoTokenizer``: a Qwen2 model's splits numbers into digits, "2000" one token here and four there): train a
+    model on the ids of the tokenizer as loaded (`trl_ext.models.builtin_tools.as_loaded`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -59,3 +60,16 @@ def byte_tokenizer(vocab_size: int = VOCAB_SIZE, lines: list[str] | None = None)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token="<|endoftext|>")
     fast.add_tokens(list(ADDED))
     return fast
+
+
+def trl_template(name: str) -> str:
+    """The Jinja text of TRL's published chat template ``name`` (``trl/chat_templates/NAME.jinja``: ``qwen2_5``,
+    ``qwen3``, ``llama3_2``, ...; those TRL parses tool calls of, `trl.chat_template_utils.add_response_schema`)."""
+    from importlib.resources import files
+
+    path = files("trl") / "chat_templates" / f"{name}.jinja"
+    if not path.is_file():
+        known = sorted(p.name[: -len(".jinja")] for p in (files("trl") / "chat_templates").iterdir()
+                       if p.name.endswith(".jinja"))  # fmt: skip
+        raise ValueError(f"--chat_template trl:{name}: TRL ships no such template; it has {', '.join(known)}")
+    return path.read_text()

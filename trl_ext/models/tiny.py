@@ -30,6 +30,8 @@ import argparse
 import json
 from pathlib import Path
 
+from trl_ext.models.byte_tokenizer import trl_template  # noqa: F401 (re-exported: --chat_template trl:NAME)
+
 SIZE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "positions": 512}
 SEED = 0
 
@@ -98,19 +100,6 @@ def unknown_tokens(tok, chat_template: str) -> int:
     text = tok.apply_chat_template(_PROBE, chat_template=chat_template, tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     return 0 if tok.unk_token_id is None else ids.count(tok.unk_token_id)
-
-
-def trl_template(name: str) -> str:
-    """The Jinja text of TRL's published chat template ``name`` (``trl/chat_templates/NAME.jinja``: ``qwen2_5``,
-    ``qwen3``, ``llama3_2``, ...; those TRL parses tool calls of, `trl.chat_template_utils.add_response_schema`)."""
-    from importlib.resources import files
-
-    path = files("trl") / "chat_templates" / f"{name}.jinja"
-    if not path.is_file():
-        known = sorted(p.name[: -len(".jinja")] for p in (files("trl") / "chat_templates").iterdir()
-                       if p.name.endswith(".jinja"))  # fmt: skip
-        raise ValueError(f"--chat_template trl:{name}: TRL ships no such template; it has {', '.join(known)}")
-    return path.read_text()
 
 
 def chat_template_for(tok, choice: str | None = None) -> str:
