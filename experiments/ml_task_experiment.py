@@ -16,7 +16,7 @@ Arms (same seeds; dual LoRA of total rank ``RANK`` in every arm, so they differ 
 
 Each run logs per step ``rh_rate`` (the detector's hack rate), the proxy reward and ``env/true_score``, and ends with
 the routing eval on held-out levels (modes both / retain_only / forget_only). The report (mean +- SE over seeds, and
-per seed) goes to experiments/results/ml_task_<setting>.md and the plot to docs/experiments/img/ml_task.png. Runs whose
+per seed) goes to experiments/results/ml_task_<setting>.md and the plot to docs/experiments/img/ml_task_st<steps>.png. Runs whose
 routing eval exists are skipped (the report is rebuilt)::
 
     OMP_NUM_THREADS=1 uv run python experiments/ml_task_experiment.py --seeds 0 1 2 --steps 40
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from experiments.stats import fmt_mean_se, mean_se, paired_difference, verdict  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
-PLOT = ROOT / "docs" / "experiments" / "img" / "ml_task.png"
+IMG = ROOT / "docs" / "experiments" / "img"
 RANK = 8
 LAG = 4
 MODES = ("both", "retain_only", "forget_only")
@@ -141,6 +141,7 @@ def report(runs: dict, a) -> str:
             lines.append(f"| {arm} | " + " | ".join(fmt_mean_se([v[key] for v in vals]) for key in keys) + " |")
     lines += ["", "Paired by seed (difference, mean +- SE, verdict at about 2 SE):", ""]
     for other, key, what in (("baseline", "hack1", "training hack rate, last steps"),
+                             ("baseline", "proxy1", "training proxy reward, last steps"),
                              ("baseline", "true1", "training true score, last steps")):
         for arm in ("routed", "lag"):
             pairs = ({s: per[(arm, s)][key] for s in seeds if (arm, s) in per},
@@ -168,11 +169,11 @@ def plot(runs: dict, a) -> None:
     titles = ("hack rate (detector)", "proxy reward (validation accuracy)", "true score (hidden test accuracy)")
     for ax, key, title in zip(axes, CURVES, titles):
         for arm in arms(a):
-            curves = [[h[key] for h in history(t)] for (r, _), t in sorted(runs.items()) if r == arm]
+            curves = [[h.get(key) for h in history(t)] for (r, _), t in sorted(runs.items()) if r == arm]
             if not curves:
                 continue
-            n = min(map(len, curves))
-            stats = [mean_se([c[i] for c in curves]) for i in range(n)]
+            n = min(map(len, curves))  # a step without the value (no valid predictions in the batch) is left out
+            stats = [mean_se([c[i] for c in curves if c[i] is not None] or [float("nan")]) for i in range(n)]
             mean = [m for m, _ in stats]
             se = [s for _, s in stats]
             steps = list(range(1, n + 1))
@@ -182,8 +183,8 @@ def plot(runs: dict, a) -> None:
         ax.set_xlabel("step")
     axes[0].legend()
     fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=110)
+    IMG.mkdir(parents=True, exist_ok=True)
+    fig.savefig(IMG / f"ml_task_st{a.steps}.png", dpi=110)
 
 
 def main() -> None:

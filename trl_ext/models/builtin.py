@@ -224,6 +224,18 @@ def _lr(step: int, steps: int) -> float:
     return PEAK_LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def optimizer_step(model, opt, loss, losses: list[float]) -> None:
+    """One step of the builds' training loops: backward, gradient norm clipped at 1.0, the optimizer's step, gradients
+    cleared; the loss joins ``losses``."""
+    import torch
+
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    losses.append(loss.item())
+
+
 def _pretrain(model, stream, starts, log, steps: int, seq_len: int) -> list[float]:
     import torch
 
@@ -237,11 +249,7 @@ def _pretrain(model, stream, starts, log, steps: int, seq_len: int) -> list[floa
         idx = starts[torch.randint(len(starts), (BATCH_SIZE,), generator=gen)]
         batch = stream[idx[:, None] + torch.arange(seq_len)[None, :]]
         loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        optimizer_step(model, opt, loss, losses)
         if step % 20 == 0 or step == steps - 1:
             log(f"step {step}/{steps} loss {loss.item():.3f} lr {_lr(step, steps):.2e}")
     model.eval()

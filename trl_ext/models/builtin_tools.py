@@ -174,14 +174,9 @@ def _warm_start(model, examples: list[tuple[list[int], list[int]]], pad_id: int,
         ids = torch.tensor([examples[i][0] + [pad_id] * (width - len(examples[i][0])) for i in pick])
         labels = torch.tensor([examples[i][1] + [-100] * (width - len(examples[i][1])) for i in pick])
         mask = torch.tensor([[1] * len(examples[i][0]) + [0] * (width - len(examples[i][0])) for i in pick])
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        bm.optimizer_step(model, opt, model(input_ids=ids, attention_mask=mask, labels=labels).loss, losses)
         if step % 25 == 0 or step == STEPS - 1:
-            log(f"step {step}/{STEPS} loss {loss.item():.4f}")
+            log(f"step {step}/{STEPS} loss {losses[-1]:.4f}")
     model.eval()
     return losses
 
