@@ -180,6 +180,8 @@ def test_max_context_ends_an_episode_before_its_reply(tok):
     out = play(eps, script, max_context=first + 3)
     assert len(out["trajectories"][0].turns) == 1 and out["trajectories"][0].truncated
     assert all(out["env_mask"][0])  # the reply that would reach the limit is dropped
+    assert out["env_return"] == [0.0] and out["trajectories"][0].final["total"] == 1  # ended as any episode ends
+    assert ep.instance.closed
 
 
 def test_unparsed_text_ends_the_episode(tok):

@@ -189,6 +189,10 @@ class TextEpisode:
             env_ids = env_ids[1:]  # the agent sampled the template's end-of-turn token (EOS) itself
         return env_ids
 
+    def stop(self) -> None:
+        """End the episode before its next turn (`play`'s context limit)."""
+        self.over = self.trajectory.truncated = True
+
     def closing(self, completion: list[int]) -> list[int]:
         eos = self.tok.eos_token_id
         return [eos] if self.closed and (not completion or completion[-1] != eos) else []
@@ -254,7 +258,8 @@ def play(episodes: list, generate: TurnSampler, lockstep: Callable[[bool], bool]
                 env_ids = episodes[i].reply(ids)
                 if env_ids and max_context is not None and len(prompt_ids[i]) + len(completion[i]) + len(env_ids) \
                         >= max_context:  # fmt: skip
-                    env_ids, episodes[i].over, episodes[i].trajectory.truncated = [], True, True
+                    env_ids = []
+                    episodes[i].stop()
                 _append_env(i, env_ids, completion, mask, logprobs, versions)
             active = [i for i in active if not episodes[i].over]
             if not (active if lockstep is None else lockstep(bool(active))):

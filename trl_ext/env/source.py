@@ -57,7 +57,7 @@ class EpisodeSource:
         if self.tools:
             if self.heldout is None:
                 raise ValueError(f"the routing eval plays held-out levels; the tool environment {self.name} has none "
-                                 "known (a registered --env, or --env_factory with a dataset(n, heldout=True)): set "
+                                 "known (its class has no dataset(n_rows, heldout=False) classmethod): set "
                                  "eval_routing_steps=0")  # fmt: skip
             rows = self.heldout(n)
         else:
@@ -80,8 +80,8 @@ class EpisodeSource:
 
 def episode_source(args, environment_factory=None) -> EpisodeSource:
     """The run's `EpisodeSource`: the Python API's ``environment_factory`` (one factory; turns: ``--max_turns``,
-    else TRL's ``max_tool_calling_iterations`` + 1, else the class's ``max_turns_default``), else ``args``' tool
-    environment, else its text environments."""
+    else TRL's ``max_tool_calling_iterations`` + 1, else the class's ``max_turns_default``; held-out rows from the
+    class's ``dataset`` classmethod, if it has one), else ``args``' tool environment, else its text environments."""
     from trl_ext.env.tools import check_factory
 
     if environment_factory is not None:
@@ -96,7 +96,9 @@ def episode_source(args, environment_factory=None) -> EpisodeSource:
         if turns is None:
             raise ConfigError("environment_factory: set max_tool_calling_iterations (or max_turns) in the config, or "
                               "max_turns_default on the class: the episode needs a turn limit")  # fmt: skip
-        return EpisodeSource(args, environment_factory, type(instance).__name__, int(turns))
+        rows = getattr(type(instance), "dataset", None)  # held-out rows for the routing eval, where the class has them
+        heldout = (lambda n: rows(n, heldout=True)) if callable(rows) else None
+        return EpisodeSource(args, environment_factory, type(instance).__name__, int(turns), heldout)
     if args.tool_env:
         return EpisodeSource(args, args.tool_factory(), args.env_names[0], args.tool_turns,
                              lambda n: args.tool_dataset(n, heldout=True))  # fmt: skip

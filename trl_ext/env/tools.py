@@ -199,6 +199,13 @@ class ToolEpisode:
         if callable(getattr(inst, "_close", None)):
             inst._close()  # its resources (a workspace) go; what detectors read is in the trajectory
 
+    def stop(self) -> None:
+        """End the episode before its next turn (its context would reach the model's length): the episode's return,
+        report and cleanup as at any end."""
+        if not self.over:
+            self.over = True
+            self._finish()
+
     def reply(self, ids: list[int]) -> list[int]:
         if self.over:
             return []
