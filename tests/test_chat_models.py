@@ -16,7 +16,6 @@ import pytest
 
 import trl_ext.cli_train as cli
 import trl_ext.env.episodes as episodes
-import trl_ext.env.component as env_trainer
 from environments.base import make_env
 from trl_ext.models import load_tokenizer, model_source
 from trl_ext.models.tiny import CHAT_TEMPLATE, CHAT_TEMPLATES, build_tiny, chat_template_for, main, with_chat_template
@@ -131,16 +130,16 @@ def test_second_turn_context_is_the_templates_rendering(chat_tok, template, agen
 
 # ------------------------------------------------------------------------------------------- end to end
 def spy_episodes(monkeypatch) -> list[dict]:
-    """Record every `play_episodes` call (synchronous rollouts and the generator thread alike)."""
-    calls, play = [], episodes.play_episodes
+    """Record every batch the episode loop (`episodes.play`) plays, with its episodes' prompts (synchronous rollouts
+    and the generator thread alike: both play through the run's episode source, which looks the loop up per call)."""
+    calls, play = [], episodes.play
 
-    def spy(prompts, *args, **kwargs):
-        out = play(prompts, *args, **kwargs)
-        calls.append({"prompts": prompts, **out})
+    def spy(eps, *args, **kwargs):
+        out = play(eps, *args, **kwargs)
+        calls.append({"prompts": [e.prompt for e in eps], **out})
         return out
 
-    monkeypatch.setattr(episodes, "play_episodes", spy)
-    monkeypatch.setattr(env_trainer, "play_episodes", spy)
+    monkeypatch.setattr(episodes, "play", spy)
     return calls
 
 

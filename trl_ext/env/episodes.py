@@ -153,7 +153,7 @@ class TextEpisode:
     The three turn phases are `play`'s: ``parse`` and ``reply`` use the tokenizer, ``step`` only the environment."""
 
     def __init__(self, env, seed: int, prompt, limit: int, tok, no_think: bool = False) -> None:
-        self.env, self.tok, self.limit, self.no_think = env, tok, limit, no_think
+        self.env, self.tok, self.limit, self.no_think, self.prompt = env, tok, limit, no_think, prompt
         self.trajectory = Trajectory(seed, env.reset(seed), prefill=env.prefill, env=env.name)
         self.chat = not isinstance(prompt, str)
         self.messages = list(prompt) if self.chat else None
