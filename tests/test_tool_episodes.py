@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from trl_ext.compat import tool_suffix_ids
 from trl_ext.env.episodes import play
-from trl_ext.env.tools import ToolEpisode, check_factory, tool_episodes, tool_methods, tool_suffix_ids
+from trl_ext.env.tools import ToolEpisode, check_factory, tool_episodes, tool_methods
 from trl_ext.registry import ConfigError
 
 

@@ -266,6 +266,23 @@ def per_token_logps(trainer, model, input_ids, attention_mask, logits_to_keep: i
                                                       compute_entropy=compute_entropy)  # fmt: skip
 
 
+@reaches("trl.GRPOTrainer._get_tool_suffix_ids", "trl.GRPOTrainer._tokenizer", "trl.GRPOTrainer._is_vlm",
+         "trl.GRPOTrainer.chat_template", "trl.GRPOTrainer.chat_template_kwargs", versions=TRL)
+def tool_suffix_ids(tok, tool_messages: list[dict], chat_template: str | None) -> list[int]:
+    """The tokens that render ``tool_messages`` between an assistant turn's end and the next generation start.
+
+    TRL's ``GRPOTrainer._get_tool_suffix_ids``, called on a stand-in holding what it reads (the tokenizer, the
+    training chat template, no images): the episode loop's tool environments (`trl_ext.env.tools`) play outside the
+    trainer's thread."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    stand_in = SimpleNamespace(processing_class=tok, _tokenizer=tok, _is_vlm=False, chat_template=chat_template,
+                               chat_template_kwargs={})  # fmt: skip
+    return GRPOTrainer._get_tool_suffix_ids(stand_in, tool_messages)
+
+
 @reaches("trl.trainer.utils.add_fused_lm_head", versions=TRL)
 def is_trl_fused_head_forward(module, forward) -> bool:
     """Whether ``forward`` (an instance-level forward of ``module``) is TRL's fused-LM-head wrapper of its class's."""

@@ -247,8 +247,11 @@ def play(episodes: list, generate: TurnSampler, lockstep: Callable[[bool], bool]
             recorded = lps is not None if recorded is None else recorded
             kept = [episodes[i].parse(list(ids), prompt_ids[i] + completion[i])
                     for i, ids in zip(active, generated, strict=True)]  # fmt: skip
-            steps = [episodes[i].step for i in active]
-            list(pool.map(lambda f: f(), steps)) if pool is not None else [f() for f in steps]
+            if pool is not None:  # tool calls (sandboxed runs) of the batch's episodes overlap
+                list(pool.map(lambda i: episodes[i].step(), active))
+            else:
+                for i in active:
+                    episodes[i].step()
             for j, (i, ids) in enumerate(zip(active, kept, strict=True)):
                 completion[i] += ids
                 mask[i] += [1] * len(ids)

@@ -6,7 +6,7 @@ off-policy generator and the routing eval play with it (``trainer.episode_source
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trl_ext.registry import ConfigError
 
@@ -22,6 +22,7 @@ class EpisodeSource:
     turns: int = 0
     heldout: Callable[[int], object] | None = None
     """``n -> Dataset`` of held-out rows (the routing eval), where the environment has them."""
+    _tool_names: tuple[str, ...] | None = field(default=None, init=False, repr=False)
 
     @property
     def tools(self) -> bool:
@@ -70,9 +71,11 @@ class EpisodeSource:
     def log_words(self) -> tuple[tuple[str, ...] | None, dict | None]:
         """`trl_ext.env.episodes.log_episodes`' ``words`` and ``mixture``: a tool environment's tool names."""
         if self.tools:
-            from trl_ext.env.tools import tool_methods
+            if self._tool_names is None:  # one probe instance per run, not one per batch
+                from trl_ext.env.tools import tool_methods
 
-            return tuple(sorted(t.__name__ for t in tool_methods(self.factory()))), None
+                self._tool_names = tuple(sorted(t.__name__ for t in tool_methods(self.factory())))
+            return self._tool_names, None
         from trl_ext.env.episodes import log_words
 
         return log_words(self.args)

@@ -27,9 +27,9 @@ import importlib
 import inspect
 import json
 from collections.abc import Callable
-from types import SimpleNamespace
 
 from environments.base import Trajectory, Turn
+from trl_ext.compat import tool_suffix_ids
 from trl_ext.registry import ConfigError
 
 CONTROL_COLUMNS = ("env", "env_seed")
@@ -96,17 +96,6 @@ TOOL_ENVIRONMENTS = {"search_tools": "environments.search_tools:SearchTools", "m
 """The registered tool environments (``--env NAME``): classes with a ``factory(**params)`` classmethod, a
 ``dataset(n_rows, heldout=False)`` classmethod (their levels; held-out ones from ``environments.base.HELDOUT_LEVELS``)
 and a ``max_turns_default``, as ``--env_factory`` takes a user's class."""
-
-
-def tool_suffix_ids(tok, tool_messages: list[dict], chat_template: str | None) -> list[int]:
-    """The tokens between an assistant turn's end and the next generation start that render ``tool_messages``:
-    TRL's ``GRPOTrainer._get_tool_suffix_ids``, called on a stand-in holding what it reads (the tokenizer, the
-    training chat template, no images)."""
-    from trl import GRPOTrainer
-
-    stand_in = SimpleNamespace(processing_class=tok, _tokenizer=tok, _is_vlm=False, chat_template=chat_template,
-                               chat_template_kwargs={})  # fmt: skip
-    return GRPOTrainer._get_tool_suffix_ids(stand_in, tool_messages)
 
 
 def prepare_tool_tokenizer(tok) -> str | None:
