@@ -267,6 +267,98 @@ def test_strict_generator_behind_keeps_a_snapshot(monkeypatch):
         assert max(abs(a - b) for lp, rf in zip(r.logprobs, ref) for a, b in zip(lp, rf)) < 1e-5
 
 
+def wait_until(condition, seconds=10.0) -> bool:
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return True
+        threading.Event().wait(0.01)
+    return condition()
+
+
+def exact_under(weights, rollout, version) -> bool:
+    """Every token of ``rollout`` stamped ``version`` and sampled by exactly ``weights`` (its log-probs to 1e-5)."""
+    ref = scored_under(weights, rollout)
+    same = all(seq == [version] * len(seq) for seq in rollout.versions)
+    return same and max(abs(a - b) for lp, rf in zip(rollout.logprobs, ref) for a, b in zip(lp, rf)) < 1e-5
+
+
+def test_strict_publish_before_the_next_batch_is_submitted_keeps_a_snapshot(monkeypatch):
+    """Claim (trl_ext/offpolicy/gate.py ``write_decision``, docs/offpolicy.md Publishing): at strict k = 1 a publish
+    waits for the batch the trainer takes next (the last of the older policy) only when that batch is submitted; when
+    the generator has sampled every submitted batch and the next is not submitted yet, the publish neither waits
+    (the publishing thread is the one that would submit it: it would wait forever) nor writes over the policy that
+    batch needs: the version is kept as a snapshot. Through `RolloutWorker.publish` with its real gate, job queue and
+    generator thread: policy 1 is published while batch 1 is unsubmitted; the publish returns at once with policy 1
+    as the store's snapshot; batch 1, submitted after, is sampled by exactly policy 0, and batch 2 by exactly policy 1
+    (loaded from the snapshot). With the gate counting every batch as submitted (sabotage row
+    ``strict_publish_unsubmitted_batch``) the publish waits for ever (stopped here after 10 s); with the publish
+    writing at once (``publish_waits_for_older_batches``) batch 1's policy is gone."""
+    kept = count_snapshots(monkeypatch)
+    model = tiny_model()
+    weights = {0: {n: p.clone() for n, p in model.state_dict().items()}}
+    worker = RolloutWorker(make_sampler("fast", generation_copy(model)), PolicyStore(), params(),
+                           WorkerConfig(1, True, start_step=0, seed=0))  # fmt: skip
+    worker.start()
+    try:
+        worker.submit(0, [{}] * len(PROMPTS), PROMPTS)
+        r0 = worker.get(0)
+        assert wait_until(lambda: worker.gate.next_index == 1 and not worker.gate.busy)  # waiting for batch 1's job
+        assert not worker.jobs.has(1)
+        perturb(model, 0)
+        weights[1] = {n: p.clone() for n, p in model.state_dict().items()}
+        publish = threading.Thread(target=worker.publish, args=(1, model), daemon=True)
+        publish.start()
+        publish.join(10)
+        hung = publish.is_alive()
+        if hung:
+            worker.stop()  # a stopped generator lets the waiting publish write: the thread ends
+            publish.join(10)
+        assert not hung, "the publish waited for a batch nobody had submitted"
+        assert kept == [1] and worker.store.held_versions() == [1]
+        for index in (1, 2):
+            worker.submit(index, [{}] * len(PROMPTS), PROMPTS)
+        r1 = worker.get(1)
+        r2 = worker.get(2)
+    finally:
+        worker.stop()
+    assert exact_under(weights[0], r0, 0) and exact_under(weights[0], r1, 0) and exact_under(weights[1], r2, 1)
+
+
+def test_a_write_that_fails_midway_records_no_version():
+    """Claim (``RolloutWorker.publish``, docs/offpolicy.md Publishing): a publish writes the version straight into
+    the generator's copy, one parameter at a time, and records the version only once the write is complete; a write
+    that raises midway records none, so the generator never samples a half-written copy under a version number.
+    Through `RolloutWorker.publish` at strict k = 1: the trainer's model carries a trainable parameter unknown to the
+    generator's copy, after the first layer, so the copy's own check raises with the embedding and layer 0 written
+    and the rest not. The publish raises; the copy holds policy 0 as its version, the store records none newer, and
+    batch 2 (policy 1's) is not sampled. With the failed write recorded (sabotage row
+    ``failed_write_records_no_version``) the copy and the store say policy 1, and batch 2 would be sampled from the
+    half-written copy, stamped policy 1."""
+    model = tiny_model()
+    copy = generation_copy(model)
+    worker = RolloutWorker(make_sampler("fast", copy), PolicyStore(), params(), WorkerConfig(1, True, start_step=0,
+                                                                                             seed=0))  # fmt: skip
+    worker.start()
+    try:
+        for index in (0, 1):
+            worker.submit(index, [{}] * len(PROMPTS), PROMPTS)
+        worker.get(0)
+        assert wait_until(lambda: worker.gate.next_index == 2 and not worker.gate.busy)  # policy 1 is written at once
+        perturb(model, 0)
+        model.model.layers[1].stray = torch.nn.Parameter(torch.zeros(2))  # iterated after layer 0, before layer 1's
+        with pytest.raises(RuntimeError, match="'model.layers.1.stray' is unknown to the generator copy"):
+            worker.publish(1, model)
+        mine = dict(copy.named_parameters())
+        assert torch.equal(mine["model.embed_tokens.weight"], model.model.embed_tokens.weight)  # written
+        assert not torch.equal(mine["model.norm.weight"], model.model.norm.weight)  # not reached: half-written
+        assert worker.loaded_version == 0 and worker.store.latest == 0 and worker.store.held_versions() == []
+        worker.get(1)  # policy 0's, sampled before the publish
+        worker.submit(2, [{}] * len(PROMPTS), PROMPTS)
+        assert worker.jobs.poll(2, 1.0) is None  # batch 2 needs policy 1, which does not exist
+    finally:
+        worker.stop()
+
+
 def publish_at_third_token():
     """``(on_step, around_publish)`` for `drive`: policy 1 is published once batch 1 has sampled 3 tokens, and batch 1
     waits for it before its 4th (the events only fix the interleaving; the loading is the worker's own)."""

@@ -2,6 +2,11 @@
 engine's servers when no batch still to be sampled needs an older one, a checkpoint otherwise. The servers here hold
 one model, as a vLLM server does (`OneModelServer`); the stand-in trainer is test_offpolicy.drive's."""
 
+import json
+import sys
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -46,14 +51,16 @@ class Pusher:
         self.server.pushes.append(version)
 
 
-def drive_pushed(k, strict, steps, on_step=None, around_publish=None, agree=bool):
-    """test_offpolicy.drive with the worker's model None, its sampler over `OneModelServer` and a `Pusher`."""
-    made = {}
+def drive_pushed(k, strict, steps, on_step=None, around_publish=None, agree=bool, made=None):
+    """test_offpolicy.drive with the worker's model None, its sampler over `OneModelServer` and a `Pusher`;
+    ``made`` (a dict, if given) receives the ``server`` and the ``worker`` as they are built."""
+    made = {} if made is None else made
 
     def worker_fn(model):
         made["server"] = server = OneModelServer(model)
-        worker = RolloutWorker(server, PolicyStore(), params(), WorkerConfig(k, strict, start_step=0, seed=0),
-                               on_step=on_step, pusher=Pusher(server), agree=agree)  # fmt: skip
+        made["worker"] = worker = RolloutWorker(server, PolicyStore(), params(),
+                                                WorkerConfig(k, strict, start_step=0, seed=0), on_step=on_step,
+                                                pusher=Pusher(server), agree=agree)  # fmt: skip
         worker.publish(0, model)  # the starting policy, as the trainer pushes it
         return worker
 
@@ -111,3 +118,77 @@ def test_a_process_that_cannot_push_makes_every_version_a_checkpoint():
     rollouts, weights, server = drive_pushed(1, True, 4, agree=lambda ok: False)
     assert server.pushes == [] and server.loads[:3] == [0, 1, 2]  # (batch 4, sampled ahead, may load 3)
     assert_exact(rollouts, weights, 1)
+
+
+def agreement_driver(out: Path) -> None:
+    """One of 2 processes (``torchrun --nproc_per_node 2 tests/test_offpolicy_push.py OUT``, gloo): ``agree`` is
+    train.py's, ``OffPolicy._every_process`` (an all-reduce over the processes) on a real accelerate ``Accelerator``.
+    First the function alone on every pair of local decisions; then a pushed strict k = 2 run on each process where,
+    at policy 1's publish, process 0's generator has sampled every batch of policy 0 (it may push) while process
+    1's is held back before its batch 2, policy 0's (it may not). Writes ``rank{r}.json``."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from trl_ext.launch.processes import end_processes
+    from trl_ext.offpolicy.component import OffPolicy
+
+    acc = Accelerator(cpu=True)  # as train.py on a machine without CUDA (trl_ext.launch.processes: gloo)
+    rank = acc.process_index
+    assert acc.num_processes == 2
+    component = SimpleNamespace(trainer=SimpleNamespace(accelerator=acc))  # what _every_process reads of the component
+
+    def agree(ok: bool) -> bool:
+        return OffPolicy._every_process(component, ok)
+
+    answers = {f"{a}-{b}": agree((a, b)[rank]) for a in (False, True) for b in (False, True)}
+    made = {}
+    if rank == 1:
+        on_step, around_publish = batch_2_after_policy_1()  # its batch 2 waits for policy 1's publish
+    else:
+        on_step = None
+
+        def around_publish(version, phase):  # every batch of policy 0 (0, 1, 2) sampled: this process may push 1
+            if version == 1 and phase == "before":
+                gate = made["worker"].gate
+                for _ in range(1000):
+                    if gate.next_index >= 3:
+                        break
+                    threading.Event().wait(0.01)
+                assert gate.next_index >= 3, gate.next_index
+
+    rollouts, weights, server = drive_pushed(2, True, 5, on_step=on_step, around_publish=around_publish, agree=agree,
+                                             made=made)  # fmt: skip
+    try:
+        assert_exact(rollouts, weights, 2)
+        exact = True
+    except AssertionError:
+        exact = False
+    (out / f"rank{rank}.json").write_text(json.dumps({"answers": answers, "pushes": server.pushes,
+                                                      "loads": server.loads, "exact": exact}))  # fmt: skip
+    end_processes()
+
+
+def test_two_processes_push_a_version_only_when_both_may(tmp_path):
+    """Claim (docs/offpolicy.md, docs/layout.md): a version is pushed into the servers only when every trainer
+    process may push it. On 2 real processes (gloo) ``OffPolicy._every_process``, the agreement train.py's worker
+    calls, answers True on both only when both say True (an all-reduce MIN: with one process saying False, both get
+    False). In a pushed strict k = 2 run where at policy 1's publish process 0 may push and process 1's generator
+    still owes a batch of policy 0, policy 1 goes as a checkpoint on both processes, pushed on neither; every batch is
+    still exact on both. A MAX in the agreement (sabotage row ``push_agreement_all_reduce_min``) or a worker deciding
+    alone (``push_agreed_by_every_process``) pushes policy 1 from process 0."""
+    from test_procs import torchrun
+
+    proc = torchrun([str(Path(__file__).resolve()), str(tmp_path)], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        both = {"False-False": False, "False-True": False, "True-False": False, "True-True": True}  # process 0-1
+        assert r["answers"] == both, ranks
+        assert 1 not in r["pushes"] and 1 in r["loads"], ranks
+        assert r["exact"], ranks
+    assert ranks[0]["pushes"][0] == 0 and ranks[1]["pushes"][0] == 0  # the start policy was pushed on both: they push
+
+
+if __name__ == "__main__":
+    agreement_driver(Path(sys.argv[1]))

@@ -15,13 +15,16 @@ def test_torchrun_distillation_fast_backend_rollouts(tmp_path):
     """`torchrun --nproc_per_node 2 train.py` with distillation on LoRA (and its --eval_baseline, sampled by the main
     process), the fast backend and saved rollouts: one run to a checkpoint; the distillation metrics are logged; each
     step's rollouts are ONE shard (written by the main process) holding both processes' rows with their global sample
-    and group numbers."""
-    from trl_ext.runs.rollouts import load_rollouts, shard_steps
+    and group numbers. Token records (``--token_records_every 1``, runs/token_records.py: the main process gathers
+    every process's rows and writes the shard alone): each step's token shard holds one row per completion token of
+    all 8 samples, process 1's (samples 4-7) included, with the loss's and the teacher's values on every trained
+    token; a gather of process 0's rows alone (sabotage row ``token_records_gathered``) leaves 4 samples."""
+    from trl_ext.runs.rollouts import load_rollouts, load_token_records, shard_steps
 
     out = tmp_path / "out"
     proc = torchrun(["train.py", "--reward", "happy_binary", "--lora_rank", "4", "--teacher_tau", "0.1",
                      "--teacher_context", "A happy story.", "--eval_baseline", "--eval_baseline_prompts", "8",
-                     "--generation_backend", "fast", "--save_rollouts",
+                     "--generation_backend", "fast", "--save_rollouts", "--token_records_every", "1",
                      "--max_steps", "2", "--batch_size", "4", "--num_generations", "8", "--max_completion_length",
                      "8", "--save_steps", "2", "--logging_steps", "1", "--no_wandb", "--output_dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -39,6 +42,14 @@ def test_torchrun_distillation_fast_backend_rollouts(tmp_path):
     assert abs(sum(rows["advantage"])) < 1e-4  # distillation's advantage sums to 0 over the (whole) group
     assert max(abs(a) for a in rows["advantage"]) > 1e-3
     assert rows["completion"][:4] != rows["completion"][4:]  # each process samples with its own seed (TRL's)
+    for step in (1, 2):  # the token records: every token of both processes' samples, in one shard
+        rows, tokens = load_rollouts(run_dir, step), load_token_records(run_dir, step).to_pandas()
+        per_sample = tokens.groupby("sample").size()
+        assert sorted(per_sample.index) == list(range(8)), (step, sorted(per_sample.index))  # process 1's: 4-7
+        assert per_sample.tolist() == rows["completion_tokens"] and len(tokens) == sum(rows["completion_tokens"])
+        trained = tokens[tokens["trained"]]
+        assert len(trained) == len(tokens) and (trained["step"] == step).all()
+        assert trained[["trainer_logprob", "behaviour_logprob", "teacher_logprob"]].notna().all().all()
 
 
 @pytest.mark.slow

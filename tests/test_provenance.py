@@ -148,3 +148,43 @@ def test_train_py_records_start_weights_and_refuses_a_resume_from_others(builtin
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert f"weights {SHA_ABC}" in refused.stderr and f"now loads {built}" in refused.stderr
     assert not (run_dir / "checkpoint-4").exists()
+
+
+@pytest.mark.slow
+def test_train_py_checks_a_rerun_from_a_run_config_against_its_start_weights(builtin_path, tmp_path):
+    """Claim (docs/recipes.md "The same start", trl_ext/runs/provenance.py ``start_weights``): a run again from
+    another run's run_config.yaml (``train.py @ RUN/run_config.yaml``) starts from that run's start weights. End to
+    end, train.py as a process on the builtin model: a 1-step run records its run_config.yaml and start weights; with
+    its record saying another build, the rerun from its run_config.yaml exits 2 naming both digests, before training
+    (no start weights recorded, no step, no checkpoint; its summary says config_error); with its record as written,
+    the rerun trains and records the same start. With train.py's call ignoring the recipe's run (sabotage row
+    ``recipe_start_weights``) the first rerun trains."""
+    base = [sys.executable, "train.py", "--no_wandb"]
+
+    def train(*flags):
+        return zygote.run([*base, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    first = train("--reward", "happy_binary", "--batch_size", "4", "--num_generations", "2", "--max_completion_length",
+                  "8", "--max_steps", "1", "--save_steps", "1", "--logging_steps", "1", "--output_dir",
+                  str(tmp_path / "a"))  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run_dir,) = (tmp_path / "a").iterdir()
+    config, record = run_dir / "run_config.yaml", read_start_weights(run_dir)
+    built = hashlib.sha256((Path(builtin_path) / "model.safetensors").read_bytes()).hexdigest()
+    assert record["files"] == {"model.safetensors": built}
+    (run_dir / START_WEIGHTS).write_text(json.dumps({**record, "files": {"model.safetensors": SHA_ABC}}))
+    refused = train("@", str(config), "--output_dir", str(tmp_path / "b"))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"weights {SHA_ABC}" in refused.stderr and f"now loads {built}" in refused.stderr
+    assert "would not reproduce it" in refused.stderr
+    (again_dir,) = (tmp_path / "b").iterdir()
+    assert again_dir.name == run_dir.name and read_start_weights(again_dir) is None
+    assert not list(again_dir.glob("checkpoint-*"))
+    assert json.loads((again_dir / "run_summary.json").read_text())["status"] == "config_error"
+    assert "'loss'" not in (again_dir / "train.log").read_text()
+    (run_dir / START_WEIGHTS).write_text(json.dumps(record))
+    again = train("@", str(config), "--output_dir", str(tmp_path / "c"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    (again_dir,) = (tmp_path / "c").iterdir()
+    assert start_id(read_start_weights(again_dir)) == start_id(record)
+    assert (again_dir / "checkpoint-1" / "checkpoint_complete.json").is_file()

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+# pytest-timeout's 900 s (pyproject.toml: 300 s): a layout test takes up to about 3 min
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
 LAG0_BOUND = 1e-5  # as tests/test_vllm.py: float error between the server's log-probs and the trainer's
 SERVER_ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "WANDB_MODE": "disabled"}
@@ -52,7 +53,8 @@ def _layout(port: int, out_dir: Path, *extra: str) -> list[str]:
 
 def test_seed_002_layout_killed_and_resumed(tmp_path):
     """The seed-002 shape (1 policy server, 1 teacher server, 2 FSDP2 processes, distillation at strict k = 1, LoRA
-    at lr 3e-3). The policy server is killed after checkpoint 2: layout.py ends the run within a minute, naming it;
+    at lr 3e-3). The policy server is killed after checkpoint 2 with no restart left (``--max_server_restarts 0``;
+    `test_layout_soak_short` restarts it): layout.py ends the run within a minute, naming it;
     Its SIGTERM lets the trainer save the step it reached (2 to 4). The same command with
     ``--resume_from_checkpoint latest`` (fresh servers) continues to step 6. Lag-0 batches (step 1, and the first
     after the resume) carry the server's log-probs of exactly the trainer's policy
@@ -63,8 +65,10 @@ def test_seed_002_layout_killed_and_resumed(tmp_path):
     import time
 
     out_dir, port = tmp_path / "out", _free_port_pair()
-    proc = subprocess.Popen(_layout(port, out_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=SERVER_ENV)  # fmt: skip
+    command = _layout(port, out_dir)
+    command[command.index("--"):command.index("--")] = ["--max_server_restarts", "0"]  # its exit stops the run
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=SERVER_ENV)  # fmt: skip
     try:
         deadline = time.monotonic() + 400
         while not list(out_dir.glob("*/checkpoint-2/checkpoint_complete.json")):
@@ -140,13 +144,17 @@ def _train(out_dir: Path, *flags: str) -> tuple[str, Path]:
     return text, run
 
 
-def _assert_pushed_k1(run: Path, steps: int, weights: Path) -> None:
-    """A run at in-flight k = 1 with every version pushed: no checkpoint under ``weights``; every token at most one
-    policy old (the token records); the tokens of the trainer's own policy (lag 0) carry its log-probs; each step's
-    gap one step's drift (step 2's, policy 1 against 0, is the yardstick, as in tests/test_vllm.py)."""
+def _assert_pushed_k1(run: Path, steps: int, before: dict, after: dict) -> None:
+    """A run at in-flight k = 1 with every version pushed: the server (its ``/v1/trl_ext/info`` ``before`` and
+    ``after`` the run) served policies 0 to ``steps - 1`` (the last step's samples nothing), each pushed, and loaded no
+    checkpoint (the weights directory is no witness: the run's publisher removes what it wrote when it closes); every
+    token at most one policy old (the token
+    records); the tokens of the trainer's own policy (lag 0) carry its log-probs; each step's gap one step's drift
+    (step 2's, policy 1 against 0, is the yardstick, as in tests/test_vllm.py)."""
     import pandas as pd
 
-    assert weights.is_dir() and not any(weights.iterdir())  # every version was pushed: no checkpoint
+    served = {k: after[k] - before[k] for k in ("pushes", "checkpoint_loads")}
+    assert served == {"pushes": steps, "checkpoint_loads": 0} and after["version"] == steps - 1, (served, after)
     state = json.loads((run / f"checkpoint-{steps}" / "trainer_state.json").read_text())
     logs = [r for r in state["log_history"] if "offpolicy/abs_log_ratio_mean" in r]
     assert [r["step"] for r in logs] == list(range(1, steps + 1)), logs
@@ -171,14 +179,19 @@ def test_one_process_on_its_own_server_k0_then_k1_pushed(tmp_path):
        the server's log-probs and the trainer's) stays at float error while the policy moves. With the version gate's
        reload off (sabotage row ``serve_reload``) the gap is the start weights against a trained policy from step 2.
     2. In-flight k = 1 (chunks of 4 tokens), ``--vllm_weight_transfer gloo``, a full fine-tune at a constant lr 3e-4
-       for 6 steps: every version pushed, every token exact or one step's drift (`_assert_pushed_k1`). With the push
-       sending the start weights every time (sabotage row ``serve_push``) the lag-0 tokens' gap opens."""
+       for 6 steps: every version pushed (the server counts 6 pushes and no checkpoint load after the 5 of run 1;
+       with every version sent as a checkpoint, sabotage row ``push_every_version_in_flight``, it counts 6 loads),
+       every token exact or one step's drift (`_assert_pushed_k1`). With the push sending the start weights every time
+       (sabotage row ``serve_push``) the lag-0 tokens' gap opens."""
     rows = ["Once upon a time, a little fox", "The old man walked to the", "A small bird sang in the",
             "Lily found a shiny stone near", "Tom and his dog ran to the", "The sun was warm and the"]  # fmt: skip
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": r, "source": "hand"}) + "\n" for r in rows))
     port, weights = _free_port_pair(), tmp_path / "weights"
     server = _own_server(port, weights, tmp_path / "server.log")
+    from trl_ext.serve.client import Replica
+
+    replica = Replica(f"http://127.0.0.1:{port}", timeout=30)
     servers = ["--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", f"http://127.0.0.1:{port}"]
     try:
         text, run = _train(tmp_path / "k0", *servers, "--reward", "sentence_length_10_smooth", "--dataset", str(data),
@@ -189,12 +202,14 @@ def test_one_process_on_its_own_server_k0_then_k1_pushed(tmp_path):
         gap = [r["sampling/sampling_logp_difference/mean"] for r in logs]
         assert len(gap) == 5 and max(gap) < LAG0_BOUND, gap
         assert all(r["grad_norm"] > 0 for r in logs), logs  # the policy moves
+        before = replica.info()
+        assert (before["pushes"], before["checkpoint_loads"]) == (0, 5), before  # policies 0-4, reloaded
         text, run = _train(tmp_path / "k1", *servers, "--vllm_weight_transfer", "gloo", "--max_async_level", "1",
                            "--vllm_inflight_tokens", "4", "--reward", "sentence_length_10_smooth", "--lr", "3e-4",
                            "--lr_scheduler_type", "constant", "--max_steps", "6", "--save_steps", "6",
                            "--save_rollouts", "--token_records_every", "1")  # fmt: skip
         assert "(weights pushed over gloo), off-policy" in text
-        _assert_pushed_k1(run, 6, weights)
+        _assert_pushed_k1(run, 6, before, replica.info())
     finally:
         import signal
 
@@ -206,8 +221,11 @@ def test_k0_fsdp2_weights_pushed_over_gloo(tmp_path):
     """``--vllm_weight_transfer gloo`` (vLLM's weight-transfer backend on CPU, ``trl_ext.serve.transfer``): 2 FSDP2
     processes at k = 0 push each version into the policy server (process 0 broadcasts, both gather), LoRA at lr 3e-3
     for 4 steps. Every step's sampling gap stays at float error while the policy moves, and no checkpoint is written
-    to the servers' weights directory: the server serves the pushed weights. With the push sending the start weights
-    every time (sabotage row ``serve_push``) the gap from step 2 on is the start policy against a trained one."""
+    to the servers' weights directory: the server's log names every policy it served, each pushed, none a checkpoint.
+    With the push sending the start weights every time (sabotage row ``serve_push``) the gap from step 2 on is the
+    start policy against a trained one."""
+    import re
+
     weights = tmp_path / "weights"
     out_dir = tmp_path / "out"
     cmd = [sys.executable, "layout.py", "--inference_gpu_ids", "0", "--trainer_gpu_ids", "0,1", "--port",
@@ -221,6 +239,9 @@ def test_k0_fsdp2_weights_pushed_over_gloo(tmp_path):
     assert proc.returncode == 0, text[-4000:]
     assert "(weights pushed over gloo), synchronous" in text
     assert weights.is_dir() and not any(weights.iterdir())  # nothing was published as files
+    (log,) = (out_dir / "layout_logs").glob("policy0-*.log")  # trl_ext.serve.endpoint's line per version served
+    served = re.findall(r"trl_ext: serving policy version (\d+), (pushed|checkpoint loaded)", log.read_text())
+    assert served == [(str(v), "pushed") for v in range(4)], served  # policies 0-3, one per step
     (run,) = [p for p in out_dir.iterdir() if p.is_dir() and p.name != "layout_logs"]
     state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())
     logs = [r for r in state["log_history"] if "sampling/sampling_logp_difference/mean" in r]
@@ -280,3 +301,30 @@ def test_the_layout_on_a_hub_model_id(tmp_path):
            if "sampling/sampling_logp_difference/mean" in r]  # fmt: skip
     assert len(gap) == 2 and max(gap) < LAG0_BOUND, gap
     assert json.loads((run / "start_weights.json").read_text())["path"] == "org/tiny-qwen3"
+
+
+@pytest.mark.timeout(1500)  # two layout runs, a server restart and a trainer restart: about 4 min here
+def test_layout_soak_short(tmp_path):
+    """bench/layout_soak.py in miniature: a layout run (one policy server, one trainer process, LoRA, k = 0, 12 steps,
+    a checkpoint every 5) whose policy server is SIGKILLed mid-step (step 3) and whose trainer's worker is SIGKILLed
+    after checkpoint 5 (step 7). layout.py restarts each (no person resumes anything) and exits 0; the restarts are
+    in run_summary.json; every step is trained once with the same 8 samples, and the final adapter and every step's
+    reward equal the uninterrupted run's (the requests in flight to the dead server were sent again with their
+    seeds to the restarted one, and the restarted trainer resumed exactly). With the server restart switched off
+    (sabotage row ``layout_server_restart``) or the requests not waiting for it (``serve_restart_wait``) the run
+    stops at the first kill."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("layout_soak", ROOT / "bench" / "layout_soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    result = soak.soak(tmp_path, 12, 0, [(3, 0.1, "server"), (7, 0.1, "trainer")])
+    assert result["exit"] == 0, result.get("output_tail")
+    assert [(r["part"].split()[0], r["restart"]) for r in result["restarts"]] == [("policy", 1), ("trainer", 1)]
+    assert result["restarts_match_kills"] and result["killed_before_the_end"], result["kills"]
+    assert result["summary_status"] == "done"
+    assert result["logged_steps_once"] and result["token_record_steps"], result
+    assert result["samples_per_step"] == [8] and result["samples_per_step_equal_to_reference"]
+    assert result["weights_moved_since_first_checkpoint_max_abs"] > 1e-3  # the policy moved after the checkpoint
+    assert result["final_weights_max_abs_difference"] < 1e-6, result  # float error (bitwise equal when measured)
+    assert result["rewards_max_abs_difference"] < 1e-6, result

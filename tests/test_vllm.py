@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+# pytest-timeout's 900 s (pyproject.toml: 300 s): a test's setup may run the tier's shared runs (about 3.5 min)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 LAG0_BOUND = 1e-5
 """Step-1 mean |log ratio| between vLLM's and the trainer's log-probs in float32 (measured 4e-7 to 6e-7)."""
 

@@ -36,6 +36,7 @@ CELLS = [f"cell:{'-'.join(cell)}" for cell in column_cells(VLLM_SHIFT)]
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(900)  # its setup may run the tier's shared runs (pyproject.toml: 300 s)
 @pytest.mark.vllm_runs(*CELLS)
 @pytest.mark.xdist_group("vllm_runs")
 def test_every_cell_with_vllm(vllm_runs):
@@ -59,6 +60,7 @@ cells (the story task: tests/test_vllm.py's FSDP2 run). The k = 1 cells share th
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(900)  # its setup may run the tier's shared runs (pyproject.toml: 300 s)
 @pytest.mark.vllm_runs(*FSDP2_CELLS)
 @pytest.mark.xdist_group("vllm_runs_x2")
 def test_fsdp2_cells_with_vllm(vllm_runs_x2):

@@ -245,7 +245,7 @@ def train_and_summarise(plan: Plan, trainer, preemption, tee) -> int:
     except NumericFault as e:
         print(f"train.py: numeric fault: {e}", file=sys.stderr, flush=True)
         summary = {"status": "numeric_fault", "run_name": cfg.run_name, "error": str(e),
-                   "steps": trainer.state.global_step}
+                   "steps": trainer.state.global_step, **restarts_of(plan.run_dir)}
         if main_process:
             (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
             tee.close()
@@ -259,6 +259,7 @@ def train_and_summarise(plan: Plan, trainer, preemption, tee) -> int:
         **(preemption.summary(plan.run_dir, steps) if preempted else {}),
         "wall_s": round(time.time() - start, 1),
         "final_log": next((h for h in reversed(trainer.state.log_history) if "reward" in h), {}),
+        **restarts_of(plan.run_dir),
     }
     if main_process:
         (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
@@ -281,4 +282,18 @@ def main(argv: list[str] | None = None) -> int:
         return run_training(plan)
     except ConfigError as e:  # a refusal that needs the model resolved (a resume from other start weights)
         print(f"train.py: error: {e}", file=sys.stderr)
+        from trl_ext.launch.processes import is_main
+
+        if is_main() and plan.run_dir.is_dir():  # a launcher reads it: not a crash to restart (trl_ext.serve.watch)
+            summary = {"status": "config_error", "run_name": plan.cfg.run_name, "error": str(e)}
+            (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
         return 2
+
+
+def restarts_of(run_dir) -> dict:
+    """run_summary.json's ``restarts``: the launcher's restarts of the run's parts (`trl_ext.runs.restarts`), if
+    any."""
+    from trl_ext.runs.restarts import read_restarts
+
+    restarts = read_restarts(run_dir)
+    return {"restarts": restarts} if restarts else {}

@@ -46,7 +46,7 @@ NOT_DEFINING = {
     "parallelism",  # run_config.yaml's launch.parallelism: read from the prepared model, it describes the run
     # where the servers are (trl_ext.serve): a resume may find them on other ports or hosts
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-    "vllm_request_timeout", "teacher_server_url",
+    "vllm_request_timeout", "vllm_server_restart_timeout", "teacher_server_url",
     "vllm_weight_transfer", "vllm_weight_transfer_address",  # how the same weights reach the servers
 }  # fmt: skip
 NOT_IN_NAME = {"fsdp", "fsdp_config"}  # named by the launch tag (_fsdp2); a resume still compares them

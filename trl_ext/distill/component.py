@@ -84,7 +84,8 @@ class Distillation(Component):
             from trl_ext.serve.args import server_urls
             from trl_ext.serve.client import Replica, check_replicas
 
-            self.teacher_replicas = [Replica(u, os.environ.get("VLLM_API_KEY"), a.vllm_request_timeout)
+            self.teacher_replicas = [Replica(u, os.environ.get("VLLM_API_KEY"), a.vllm_request_timeout,
+                                             a.vllm_server_restart_timeout)
                                      for u in server_urls(a, teacher=True)]  # fmt: skip
             check_replicas(self.teacher_replicas, t.processing_class, None, "teacher server")
 

@@ -27,6 +27,13 @@ class ServeArgs:
                   "its answer; a server that stops answering ends the run with an error naming it after this long "
                   "(an unreachable one after one retry, 1 s later). A request is never dropped."},
     )  # fmt: skip
+    vllm_server_restart_timeout: float = field(
+        default=0.0,
+        metadata={"help": "Seconds a request to an unreachable vLLM server waits for it to answer /health again (a "
+                  "server layout.py restarts: its --max_server_restarts; layout.py sets this to its --server_timeout) "
+                  "before the step fails; the request is then sent again with its own seed and version. 0: one retry "
+                  "after 1 s."},
+    )  # fmt: skip
     vllm_weight_transfer: str = field(
         default="files",
         metadata={"help": "How each policy version reaches the policy servers (--vllm_mode server): 'files' (a "
@@ -57,12 +64,16 @@ class ServeArgs:
 
     def validate_serve(self) -> None:
         """Raise ConfigError for server settings that cannot run or would be ignored (called by ExtGRPOConfig)."""
-        default = {f.name: f.default for f in fields(ServeArgs)}["vllm_request_timeout"]
+        own = {f.name: f.default for f in fields(ServeArgs)}
         if not self.vllm_request_timeout > 0:
             raise ConfigError(f"--vllm_request_timeout must be > 0, got {self.vllm_request_timeout}")
-        if self.vllm_request_timeout != default and not (self.policy_servers or self.teacher_server_url):
-            raise ConfigError("--vllm_request_timeout applies to vLLM servers: --use_vllm --vllm_mode server or "
-                              "--teacher_server_url")
+        for name in ("vllm_request_timeout", "vllm_server_restart_timeout"):
+            if getattr(self, name) != own[name] and not (self.policy_servers or self.teacher_server_url):
+                raise ConfigError(f"--{name} applies to vLLM servers: --use_vllm --vllm_mode server or "
+                                  "--teacher_server_url")
+        if self.vllm_server_restart_timeout < 0:
+            raise ConfigError(f"--vllm_server_restart_timeout must be >= 0 (0: no wait), got "
+                              f"{self.vllm_server_restart_timeout}")
         self._validate_transfer()
         if self.policy_servers:
             server_urls(self)

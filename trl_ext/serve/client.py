@@ -7,6 +7,14 @@ Faults fail loudly and name the replica (`ServerError`): a connection error or a
 after `RETRY_PAUSE_S`, then raises; a request that gets no answer within ``timeout`` seconds raises (no retry: the
 server stopped answering). A request is never dropped: the batch is complete or the call raises. So a dead server
 ends the step within ``RETRY_PAUSE_S`` seconds and a hung one within ``timeout``.
+
+A server that layout.py restarts (``--max_server_restarts``; train.py's ``--vllm_server_restart_timeout``, the
+replica's ``restart_wait``): a request that finds it unreachable waits up to ``restart_wait`` seconds for its
+``/health`` (one thread of the process waits and says so; the others wait on it), then is sent again, to the same
+replica, with its own seed and version (the restarted server loads the version's checkpoint: the same tokens as the
+first server would have sampled). Up to `RESENDS` times per request; past ``restart_wait`` the call raises as above.
+A pushed version (no checkpoint) does not survive a restart: the resend raises at once, naming the server (the step
+fails; layout.py restarts the trainer from its last checkpoint).
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ from trl_ext.serve.endpoint import DIR_HEADER, INFO_PATH, SHAPE_KEYS, VERSION_HE
 
 RETRY_PAUSE_S = 1.0
 """Seconds between a failed request and its one retry."""
+RESENDS = 3
+"""Sends of one request after its server came back (`Replica.recover`), at most: a server that dies again and again
+fails the step."""
 _TRANSIENT_STATUS = (502, 503, 504)
 MAX_CONCURRENT = 64
 """Requests in flight at once from one trainer process (each a row)."""
@@ -41,12 +52,21 @@ class Transient(Exception):
         self.error = error
 
 
-def retrying(send):
-    """``send()``, sent once more after `RETRY_PAUSE_S` when it raises `Transient`; the second failure raises."""
-    try:
+def retrying(send, recover=None):
+    """``send()``, sent once more after `RETRY_PAUSE_S` when it raises `Transient`; the second failure raises. With
+    ``recover`` (a server layout.py restarts): each `Transient` is followed by ``recover(failure)``, which returns once
+    the server answers again (or raises the failure), and ``send()`` again, up to `RESENDS` times."""
+    if recover is None:
+        try:
+            return send()
+        except Transient:
+            time.sleep(RETRY_PAUSE_S)
         return send()
-    except Transient:
-        time.sleep(RETRY_PAUSE_S)
+    for _ in range(RESENDS):
+        try:
+            return send()
+        except Transient as failure:
+            recover(failure)
     return send()
 
 
@@ -54,10 +74,17 @@ class Replica:
     """One vLLM server at ``url`` (``http://host:port``). ``api_key``: vLLM's ``--api-key`` (sent as a Bearer
     token); ``timeout``: seconds a request may wait for its answer."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 300.0) -> None:
-        self.url, self.api_key, self.timeout = url.rstrip("/"), api_key, timeout
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 300.0, restart_wait: float = 0.0,
+                 say=None) -> None:  # fmt: skip
+        """``restart_wait``: seconds a request that finds the server unreachable waits for it to answer ``/health``
+        again (`recover`); 0: one retry after `RETRY_PAUSE_S`. ``say``: where a wait is reported (train.log)."""
+        self.url, self.api_key, self.timeout, self.restart_wait = url.rstrip("/"), api_key, timeout, restart_wait
         self._local = threading.local()  # one HTTP session per thread (sessions are not shared between threads)
         self.model: str | None = None  # the served model name (`info`)
+        self.say = say or (lambda text: print(text, flush=True))
+        self.recoveries: list[float] = []  # seconds each wait for the server's return took (`recover`)
+        self._recovering = threading.Lock()
+        self._back_at = float("-inf")  # time.monotonic() at which the server last answered /health again
 
     def __repr__(self) -> str:
         return f"vLLM server {self.url}"
@@ -68,8 +95,9 @@ class Replica:
         return self._local.session
 
     def _request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
-                 timeout: float | None = None, retry: bool = True) -> requests.Response:  # fmt: skip
-        """The answer to one request, retried once on a transient error when ``retry`` (module docstring)."""
+                 timeout: float | None = None, retry: bool = True, resend_check=None) -> requests.Response:  # fmt: skip
+        """The answer to one request, retried once on a transient error when ``retry`` (module docstring);
+        ``resend_check()`` runs after the server came back, before the request is sent again (it may raise)."""
         headers = dict(headers or {})
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -88,10 +116,38 @@ class Replica:
                 raise ServerError(f"{self} answered {path} with {answer.status_code}: {answer.text[:500]}")
             return answer
 
+        recover = None
+        if self.restart_wait > 0:
+            def recover(failure: Transient) -> None:
+                self.recover(failure)
+                if resend_check is not None:
+                    resend_check()
+
         try:
-            return retrying(send) if retry else send()
+            return retrying(send, recover) if retry else send()
         except Transient as e:
             raise e.error from e
+
+    def recover(self, failure: Transient) -> None:
+        """Return once the server answers ``/health`` again, within ``restart_wait`` seconds of the failure (a
+        restart by layout.py); else raise the failure's error. One thread waits and reports; the others, which saw
+        the same outage, wait for it and return."""
+        seen = time.monotonic()
+        with self._recovering:
+            if self._back_at >= seen - RETRY_PAUSE_S and self.healthy(timeout=5.0):
+                return  # another request's wait has just ended: this one goes again
+            self.say(f"{self} is unreachable ({failure}); waiting up to {self.restart_wait:g} s for it to answer "
+                     "/health again (--vllm_server_restart_timeout)")
+            deadline = seen + self.restart_wait
+            while not self.healthy(timeout=min(5.0, max(0.5, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise ServerError(f"{failure.error} (and it did not answer /health again within "
+                                      f"{self.restart_wait:g} s, --vllm_server_restart_timeout)") from failure
+                time.sleep(0.5)
+            self._back_at = time.monotonic()
+            self.recoveries.append(round(self._back_at - seen, 2))
+            self.say(f"{self} answers again after {self._back_at - seen:.1f} s (restart {len(self.recoveries)} "
+                     "seen by this process); its requests are sent again")
 
     def healthy(self, timeout: float = 5.0) -> bool:
         """Whether ``GET /health`` answers 200 within ``timeout`` seconds (no retry)."""
@@ -130,7 +186,15 @@ class Replica:
         headers = {} if version is None else {VERSION_HEADER: str(version)}
         if version is not None and directory is not None:  # else pushed (trl_ext.serve.transfer): no directory
             headers[DIR_HEADER] = directory
-        answer = self._request("POST", "/v1/completions", body, headers)
+        check = None
+        if version is not None and directory is None:  # pushed: a restarted server holds its start weights
+            def check() -> None:
+                if self.info()["version"] != version:
+                    raise ServerError(f"{self} was restarted and holds no pushed version (version {version} was "
+                                      "pushed to the server that died): the step fails, and the run resumes from its "
+                                      "last checkpoint (layout.py restarts the trainer)")  # fmt: skip
+
+        answer = self._request("POST", "/v1/completions", body, headers, resend_check=check)
         if version is not None and answer.headers.get(VERSION_HEADER) != str(version):
             raise ServerError(f"{self} served version {answer.headers.get(VERSION_HEADER)!r} for a request of "
                               f"version {version}: it does not run trl_ext.serve.endpoint")  # fmt: skip

