@@ -148,7 +148,11 @@ def soak(tmp: Path, steps: int, seed: int, kills: list[tuple[int, float, str]]) 
     ref = run(tmp / "reference", steps, seed, [])
     if ref["exit"] != 0:
         raise RuntimeError("the uninterrupted run failed:\n" + ref["output"][-3000:])
-    faulty = run(tmp / "faulty", steps, seed, kills)
+    try:
+        faulty = run(tmp / "faulty", steps, seed, kills)
+    except RuntimeError as e:  # layout.py ended before a planned kill: what the trainer said
+        log = next((tmp / "faulty").glob("*/train.log"), None)
+        raise RuntimeError(f"{e}\n--- train.log ends:\n{log.read_text(errors='replace')[-6000:] if log else ''}") from e
     a, b = run_dir(tmp / "reference"), run_dir(tmp / "faulty")
     summary = json.loads((b / "run_summary.json").read_text()) if (b / "run_summary.json").is_file() else {}
     result = {"steps": steps, "seed": seed, "kill_plan": kills, "exit": faulty["exit"], "kills": faulty["kills"],
@@ -156,6 +160,8 @@ def soak(tmp: Path, steps: int, seed: int, kills: list[tuple[int, float, str]]) 
               "restarts": summary.get("restarts", []), "summary_status": summary.get("status")}  # fmt: skip
     if faulty["exit"] != 0:
         result["output_tail"] = faulty["output"][-4000:]
+        log = b / "train.log" if b is not None else None
+        result["train_log_tail"] = log.read_text(errors="replace")[-6000:] if log and log.is_file() else ""
         return result
     ta, tb = trained_steps(a, steps), trained_steps(b, steps)
     wa, wb = weights(a / f"checkpoint-{steps}"), weights(b / f"checkpoint-{steps}")

@@ -21,8 +21,10 @@ from trl_ext.serve.watch import resumed_flags, run_layout
 SERVER = textwrap.dedent('''
     import http.server, os, sys, threading, time
     port, starts, deaths = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    import subprocess
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # vLLM's engine process
     with open(starts, "a") as f:
-        f.write(f"{os.getpid()}\\n")
+        f.write(f"{os.getpid()}:{engine.pid}\\n")
     n = len(open(starts).read().split())
 
     class Health(http.server.BaseHTTPRequestHandler):
@@ -114,6 +116,14 @@ def _run(layout, run_dir, refuse: bool = False, **args) -> tuple[int, list[str],
     return code, said, checked
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by init, counts as dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _calls(calls: Path) -> list[list[str]]:
     return [json.loads(line) for line in calls.read_text().splitlines()]
 
@@ -133,6 +143,8 @@ def test_a_server_that_dies_during_training_is_restarted_on_its_port_and_the_run
     assert "restarted the policy server" in (run_dir / "train.log").read_text()
     assert any("healthy again" in line for line in said) and any("restarting it (1 of 2" in line for line in said)
     assert "restart 1 of 2 =====" in (tmp_path / "logs" / f"policy0-{layout.servers[0].port}.log").read_text()
+    first_engine = int(starts.read_text().split()[0].split(":")[1])
+    assert not _alive(first_engine)  # the dead server's engine process was stopped before the restart
 
     layout, run_dir, calls, starts = _layout(tmp_path / "off", [{"wait_starts": 2, "exit": 0}], deaths=1)
     code, said, _ = _run(layout, run_dir, max_server_restarts=0)

@@ -229,6 +229,7 @@ def run_layout(layout: Layout, args: LayoutArgs, run_dir: Path, say=print, check
                         say(f"layout: the {s.name} exited with code {exit_code} during training; restarting it "
                             f"({s.restarts} of {args.max_server_restarts}: same command, devices and port); the "
                             f"trainer's requests wait for it. Its log {s.log} ends:\n{tail(s.log)}")
+                        stop(s.proc)  # what it left in its process group (vLLM's engine process holds its memory)
                         launch(s, f"restart {s.restarts} of {args.max_server_restarts}")
                         continue
                     when = "during training" if s.was_healthy else "before it was healthy"
