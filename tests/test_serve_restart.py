@@ -152,3 +152,29 @@ def test_a_restarted_trainers_version_is_loaded_from_its_own_directory():
 
     asyncio.run(scenario())
     assert loads == ["/w/old/v00000004", "/w/new/v00000004"]
+
+
+def test_a_busy_answer_is_not_taken_for_a_restart():
+    """A server that answers 503 once but answers /health is busy, not restarted: the request goes again after the
+    retry pause, nothing is reported and no restart is counted."""
+
+    class Busy(_Server):
+        posts = 0
+
+        def do_POST(self):
+            Busy.posts += 1
+            if Busy.posts == 1:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self._send(503, {"error": "busy"})
+                return
+            super().do_POST()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    said = []
+    replica = Replica(f"http://127.0.0.1:{server.server_address[1]}", restart_wait=20.0, say=said.append)
+    try:
+        assert _sample(replica, 5)[0] == [5]
+    finally:
+        _down(server)
+    assert Busy.posts == 2 and said == [] and replica.recoveries == []

@@ -131,23 +131,31 @@ class Replica:
     def recover(self, failure: Transient) -> None:
         """Return once the server answers ``/health`` again, within ``restart_wait`` seconds of the failure (a
         restart by layout.py); else raise the failure's error. One thread waits and reports; the others, which saw
-        the same outage, wait for it and return."""
+        the same outage, wait for it and return. A server that answers ``/health`` at once had a transient failure
+        (a 502/503/504 answer, a dropped connection), not a restart: the request goes again after `RETRY_PAUSE_S`."""
         seen = time.monotonic()
         with self._recovering:
-            if self._back_at >= seen - RETRY_PAUSE_S and self.healthy(timeout=5.0):
+            up = self.healthy(timeout=5.0)
+            if up and self._back_at >= seen - RETRY_PAUSE_S:
                 return  # another request's wait has just ended: this one goes again
-            self.say(f"{self} is unreachable ({failure}); waiting up to {self.restart_wait:g} s for it to answer "
-                     "/health again (--vllm_server_restart_timeout)")
-            deadline = seen + self.restart_wait
-            while not self.healthy(timeout=min(5.0, max(0.5, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    raise ServerError(f"{failure.error} (and it did not answer /health again within "
-                                      f"{self.restart_wait:g} s, --vllm_server_restart_timeout)") from failure
-                time.sleep(0.5)
-            self._back_at = time.monotonic()
-            self.recoveries.append(round(self._back_at - seen, 2))
-            self.say(f"{self} answers again after {self._back_at - seen:.1f} s (restart {len(self.recoveries)} "
-                     "seen by this process); its requests are sent again")
+            if not up:
+                self._wait_for_health(failure, seen)
+                return
+        time.sleep(RETRY_PAUSE_S)
+
+    def _wait_for_health(self, failure: Transient, seen: float) -> None:
+        self.say(f"{self} is unreachable ({failure}); waiting up to {self.restart_wait:g} s for it to answer "
+                 "/health again (--vllm_server_restart_timeout)")
+        deadline = seen + self.restart_wait
+        while not self.healthy(timeout=min(5.0, max(0.5, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise ServerError(f"{failure.error} (and it did not answer /health again within "
+                                  f"{self.restart_wait:g} s, --vllm_server_restart_timeout)") from failure
+            time.sleep(0.5)
+        self._back_at = time.monotonic()
+        self.recoveries.append(round(self._back_at - seen, 2))
+        self.say(f"{self} answers again after {self._back_at - seen:.1f} s (restart {len(self.recoveries)} "
+                 "seen by this process); its requests are sent again")
 
     def healthy(self, timeout: float = 5.0) -> bool:
         """Whether ``GET /health`` answers 200 within ``timeout`` seconds (no retry)."""

@@ -241,8 +241,8 @@ def run_layout(layout: Layout, args: LayoutArgs, run_dir: Path, say=print, check
                 if not s.healthy and Replica(s.spec.url).healthy(timeout=1.0):
                     s.healthy = True
                     if s.was_healthy:
-                        say(f"layout: the {s.name} is healthy again, {time.monotonic() - s.started:.0f} s after its "
-                            f"restart {s.restarts}")
+                        say(f"layout: the {s.name} is healthy again, {time.monotonic() - s.started:.0f} s after it "
+                            "started again")
                     s.was_healthy = True
                     if all(o.healthy for o in servers) and not waves and not any(o.restarts for o in servers):
                         say(f"layout: {len(servers)} server(s) healthy")
