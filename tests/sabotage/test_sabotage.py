@@ -210,8 +210,9 @@ def _commit() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "trl_ext", "tests"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "trl_ext", "tests",
+                                ":!tests/sabotage/results.json", ":!tests/sabotage/results.md"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()  # the records a run writes: not code
         return sha + ("+changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
