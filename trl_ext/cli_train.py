@@ -285,8 +285,15 @@ def main(argv: list[str] | None = None) -> int:
         from trl_ext.launch.processes import is_main
 
         if is_main() and plan.run_dir.is_dir():  # a launcher reads it: not a crash to restart (trl_ext.serve.watch)
+            path = plan.run_dir / "run_summary.json"
             summary = {"status": "config_error", "run_name": plan.cfg.run_name, "error": str(e)}
-            (plan.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+            if path.is_file():  # the summary this run's last attempt wrote (a preemption's resume advice): kept
+                text = path.read_text()
+                try:
+                    summary["previous"] = json.loads(text)
+                except ValueError:
+                    summary["previous"] = text
+            path.write_text(json.dumps(summary, indent=2))
         return 2
 
 
