@@ -112,18 +112,21 @@ def test_seed_002_layout_killed_and_resumed(tmp_path):
 
 def _own_server(port: int, weights: Path, log: Path) -> subprocess.Popen:
     """layout.py's policy server for the builtin model on cores 0-1, taking pushed weights over gloo besides
-    checkpoints under ``weights``, started as a user starts one (the Slurm recipe of docs/layout.md); healthy."""
+    checkpoints under ``weights`` and LoRA adapters up to rank 8 (at most two policies together: in flight at k =
+    1), started as a user starts one (the Slurm recipe of docs/layout.md); healthy."""
     import time
 
     from trl_ext.models import model_source
     from trl_ext.serve.client import Replica
     from trl_ext.serve.plan import LayoutArgs, ServerSpec, server_command, server_env
+    from trl_ext.vllm.engine import lora_settings
 
     args = LayoutArgs(port=port, enforce_eager=True, max_model_len=512)
     spec = ServerSpec("policy", 0, str(model_source("builtin")), port, [0, 1])
     weights.mkdir()
+    command = server_command(spec, args, False, 42, "gloo", lora_settings(8, 1))
     with open(log, "w") as f:
-        proc = subprocess.Popen(server_command(spec, args, False, 42, "gloo"), stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT,
                                 env=server_env(spec, False, str(weights), SERVER_ENV), start_new_session=True)
     deadline = time.monotonic() + 300
     while not Replica(f"http://127.0.0.1:{port}").healthy():
@@ -142,6 +145,19 @@ def _train(out_dir: Path, *flags: str) -> tuple[str, Path]:
     assert proc.returncode == 0, text[-4000:]
     (run,) = [p for p in out_dir.iterdir() if p.is_dir()]
     return text, run
+
+
+def _assert_lag0_tokens(run: Path) -> None:
+    """Every trained token at most one policy old, and the tokens of the trainer's own policy (lag 0) carry its
+    log-probs (the run's token records)."""
+    import pandas as pd
+
+    tokens = pd.concat(pd.read_parquet(f) for f in sorted((run / "rollouts" / "tokens").glob("*.parquet")))
+    tokens = tokens[tokens["trained"]]
+    assert (tokens["step"] - 1 - tokens["policy_version"]).between(0, 1).all()
+    lag0 = tokens[tokens["policy_version"] == tokens["step"] - 1]
+    assert (lag0["step"] > 1).any(), lag0  # the policy moved before these tokens
+    assert (lag0["behaviour_logprob"] - lag0["trainer_logprob"]).abs().mean() < LAG0_BOUND
 
 
 def _assert_pushed_k1(run: Path, steps: int, before: dict, after: dict) -> None:
@@ -171,14 +187,18 @@ def _assert_pushed_k1(run: Path, steps: int, before: dict, after: dict) -> None:
 
 
 def test_one_process_on_its_own_server_k0_then_k1_pushed(tmp_path):
-    """One policy server started on its own (taking pushed weights over gloo besides checkpoints) and two train.py
-    runs of one process each against it, one after the other:
+    """One policy server started on its own (taking pushed weights over gloo, checkpoints and LoRA adapters) and three
+    train.py runs of one process each against it, one after the other:
 
     1. k = 0 (TRL's own generation path, the server as its engine) on a JSONL prompt dataset (``--dataset``), LoRA at
-       lr 3e-3 for 5 steps, checkpoints the server reloads: every step's sampling gap (TRL's logged difference between
-       the server's log-probs and the trainer's) stays at float error while the policy moves. With the version gate's
-       reload off (sabotage row ``serve_reload``) the gap is the start weights against a trained policy from step 2.
-    2. In-flight k = 1 (chunks of 4 tokens), ``--vllm_weight_transfer gloo``, a full fine-tune at a constant lr 3e-4
+       lr 3e-3 for 5 steps, served as LoRA (--vllm_lora_sync auto): the server loads the base checkpoint once and
+       takes 5 adapters (counts, from its ``/v1/trl_ext/info``); every step's sampling gap (TRL's logged difference
+       between the server's log-probs and the trainer's) stays at float error while the policy moves. With the start
+       adapter at every version (sabotage row ``vllm_adapter_publish``) the gap opens from step 2.
+    2. In-flight k = 1 (chunks of 4 tokens), LoRA at lr 3e-3 for 4 steps as adapters: the base once more (the run's
+       own), an adapter per version, and the tokens sampled by the trainer's own policy (lag 0, token records) carry
+       its log-probs.
+    3. In-flight k = 1 (chunks of 4 tokens), ``--vllm_weight_transfer gloo``, a full fine-tune at a constant lr 3e-4
        for 6 steps: every version pushed (the server counts 6 pushes and no checkpoint load after the 5 of run 1;
        with every version sent as a checkpoint, sabotage row ``push_every_version_in_flight``, it counts 6 loads),
        every token exact or one step's drift (`_assert_pushed_k1`). With the push sending the start weights every time
@@ -196,14 +216,21 @@ def test_one_process_on_its_own_server_k0_then_k1_pushed(tmp_path):
     try:
         text, run = _train(tmp_path / "k0", *servers, "--reward", "sentence_length_10_smooth", "--dataset", str(data),
                            "--lora_rank", "8", "--max_steps", "5", "--save_steps", "5", "--lr", "3e-3")
-        assert "(checkpoints they reload), synchronous" in text
+        assert "(adapters they take), synchronous" in text and "each version an adapter of rank 8" in text
         logs = [r for r in json.loads((run / "checkpoint-5" / "trainer_state.json").read_text())["log_history"]
                 if "sampling/sampling_logp_difference/mean" in r]  # fmt: skip
         gap = [r["sampling/sampling_logp_difference/mean"] for r in logs]
         assert len(gap) == 5 and max(gap) < LAG0_BOUND, gap
         assert all(r["grad_norm"] > 0 for r in logs), logs  # the policy moves
+        info = replica.info()
+        assert (info["pushes"], info["checkpoint_loads"], info["adapter_loads"]) == (0, 1, 5), info  # base once
+        text, run = _train(tmp_path / "k1a", *servers, "--max_async_level", "1", "--vllm_inflight_tokens", "4",
+                           "--reward", "sentence_length_10_smooth", "--lora_rank", "8", "--lr", "3e-3",
+                           "--max_steps", "4", "--save_steps", "4", "--save_rollouts", "--token_records_every", "1")
         before = replica.info()
-        assert (before["pushes"], before["checkpoint_loads"]) == (0, 5), before  # policies 0-4, reloaded
+        assert (before["checkpoint_loads"] - info["checkpoint_loads"], before["pushes"]) == (1, 0), before
+        assert before["adapter_loads"] - info["adapter_loads"] >= 4, before  # policies 0-3 (4 too if it sampled)
+        _assert_lag0_tokens(run)
         text, run = _train(tmp_path / "k1", *servers, "--vllm_weight_transfer", "gloo", "--max_async_level", "1",
                            "--vllm_inflight_tokens", "4", "--reward", "sentence_length_10_smooth", "--lr", "3e-4",
                            "--lr_scheduler_type", "constant", "--max_steps", "6", "--save_steps", "6",

@@ -105,6 +105,30 @@ def test_vllm_inflight_tokens_carry_their_versions_logprobs(builtin_path, vllm_r
     assert torch.cat(other).mean() > 1e-2, other  # measured 3.4e-2 (498 tokens of the two split batches)
 
 
+@one_process("adapter_k0")
+def test_adapter_sync_at_k0(vllm_runs, builtin_path):
+    """LoRA served as LoRA at k = 0 (TRL's colocate engine, --vllm_lora_sync auto): the base weights are written once,
+    at the first sync, and every later version is the adapter alone (its exact size: rank 8 on every linear layer of
+    the builtin model's 4 blocks, float32); vLLM's log-probs stay at float error from the trainer's while the policy
+    moves (lr 3e-3). With the start adapter published at every version (sabotage row `vllm_adapter_publish`) the gap
+    opens from step 2."""
+    import json
+
+    _, logs, log = read_run(vllm_runs, "adapter_k0")
+    gap = [r["sampling/sampling_logp_difference/mean"] for r in logs]
+    assert len(gap) == 3 and max(gap) < LAG0_BOUND, gap
+    assert all(r["grad_norm"] > 0 for r in logs), logs  # the policy moves
+    config = json.loads((Path(builtin_path) / "config.json").read_text())
+    h, kv = config["hidden_size"], config["num_key_value_heads"] * config["head_dim"]
+    i = config["intermediate_size"]
+    per_block = sum(8 * (n_in + n_out) for n_in, n_out in [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)])
+    adapter = 4 * config["num_hidden_layers"] * per_block
+    assert [r["vllm/base_sends"] for r in logs] == [1, 1, 1]  # a count: the base went once
+    assert [r["vllm/publish_bytes"] for r in logs][1:] == [adapter, adapter], (logs, adapter)
+    assert logs[0]["vllm/publish_bytes"] > 5 * adapter  # step 1: the base weights too
+    assert "policy versions as LoRA adapters: the base weights sent once, each version an adapter of rank 8" in log
+
+
 @one_process("resume_full", "resume_continue")
 def test_resume_k1_engine_loads_the_restored_policy(vllm_runs):
     """A resumed k = 1 run restarts the generator at the checkpoint's version: its first batch is sampled by the
@@ -118,6 +142,7 @@ def test_resume_k1_engine_loads_the_restored_policy(vllm_runs):
     assert full[2]["offpolicy/abs_log_ratio_mean"] > 10 * LAG0_BOUND  # uninterrupted: step 3 ran at lag 1
     assert logs[2]["offpolicy/abs_log_ratio_mean"] < LAG0_BOUND, logs[2]  # resumed: lag 0, the restored policy
     assert "generator thread started at policy version 2" in log and "off-policy generator: a vLLM engine" in log
+    assert "policy versions as LoRA adapters" in log and {r["vllm/base_sends"] for r in logs} == {1}  # in flight
 
 
 @pytest.mark.parametrize("k, task", [pytest.param(k, task, marks=pytest.mark.vllm_runs(f"x2_k{k}_{task}"))
@@ -165,15 +190,26 @@ def test_tool_environment_on_two_processes(vllm_runs_x2):
 @pytest.mark.xdist_group("vllm_runs_x2")
 def test_fsdp2_k0_routed_distilled(vllm_runs_x2):
     """``torchrun --nproc_per_node 2 train.py --fsdp --use_vllm`` at k = 0: gradient routing (dual LoRA r4), the
-    teacher's distillation reward and the routing eval (the trainer's own generation at each mode's scales). Each
-    process's colocate engine receives the merged weights streamed from the FSDP2 shards at every step: vLLM's
-    sampling log-probs stay at float error from the sharded trainer's while the policy moves (lr 3e-3; measured
-    5.0e-7 and 5.6e-7; with the sync switched off, the sabotage row `vllm_sync_k0`, step 2's gap is 9.8e-3)."""
+    teacher's distillation reward and the routing eval. The dual LoRA is served as one LoRA adapter of rank 8 (retain
+    and forget blocks, each with its scale), gathered from the FSDP2 shards, the base weights sent once: vLLM's
+    sampling log-probs stay at float error from the sharded trainer's while the policy moves (lr 3e-3). The routing
+    eval samples every mode on the engines, each mode its adapter with a block's columns at 0, and each mode's tokens
+    carry the trainer's log-probs under that mode's scales (``vllm_logp_gap`` at float error). Sabotage rows:
+    `vllm_adapter_publish` (the start adapter at every version: the sampling gap opens) and `vllm_adapter_mode_scales`
+    (both blocks unscaled in every mode: retain_only and forget_only tokens are the whole policy's, the eval's gap
+    opens)."""
+    import json
+
     run_dir, logs, log = read_run(vllm_runs_x2, "x2_fsdp_k0_routed")
     gaps = [r["sampling/sampling_logp_difference/mean"] for r in logs]
     assert len(logs) == 2 and max(gaps) < LAG0_BOUND, gaps
     assert "FSDP2: " in log and all("distill/teacher_logp_sum" in r for r in logs)
-    assert (run_dir / "routing_eval.jsonl").is_file()
+    assert "each version an adapter of rank 8" in log and "the routing eval's modes as LoRA adapters" in log
+    assert [r["vllm/base_sends"] for r in logs] == [1, 1]
+    (record,) = [json.loads(line) for line in (run_dir / "routing_eval.jsonl").read_text().splitlines()]
+    eval_gaps = {mode: m["vllm_logp_gap"] for mode, m in record["modes"].items()}
+    assert set(eval_gaps) == {"both", "retain_only", "forget_only"} and max(eval_gaps.values()) < LAG0_BOUND, \
+        eval_gaps  # fmt: skip
 
 
 def test_head_size_cpu_vllm_cannot_run_is_refused(tmp_path, train_cli_error):

@@ -47,6 +47,8 @@ RUNS: dict[str, list[str]] = {
     "resume_full": RESUME,
     "sync_k0": ["--reward", "happy_binary", "--use_vllm", "--lr", "3e-3", "--max_steps", "3", "--save_steps", "3",
                 *CELL_BATCH],
+    "adapter_k0": ["--reward", "happy_binary", "--use_vllm", "--lora_rank", "8", "--lr", "3e-3", "--max_steps", "3",
+                   "--save_steps", "3", *CELL_BATCH],  # LoRA served as an adapter (--vllm_lora_sync auto)
     "k1_strict": ["--reward", "happy_binary", "--use_vllm", "--max_async_level", "1", "--strict_async_level", "--lr",
                   "3e-4", "--lr_scheduler_type", "constant", "--max_steps", "8", "--save_steps", "8"],
     "inflight": ["--reward", "happy_binary", "--use_vllm", "--max_async_level", "1", "--vllm_inflight_tokens", "4",
@@ -67,7 +69,7 @@ RUNS: dict[str, list[str]] = {
 """Each run's train.py flags (after `SMALL`), in the order they run; the matrix cells (``cell:ADAPTER-K-TASK-DISTILL``,
 tests/test_vllm_matrix.py) run between ``inflight`` and ``resume_continue``, its FSDP2 cells (``fcell:...``, two
 processes with ``--fsdp``) last."""
-ORDER = ["resume_full", "sync_k0", "k1_strict", "inflight", "tools_k0", "tools_k1", "cell:", "resume_continue",
+ORDER = ["resume_full", "sync_k0", "adapter_k0", "k1_strict", "inflight", "tools_k0", "tools_k1", "cell:", "resume_continue",
          "x2_k0_story", "x2_k1_frozenlake", "x2_k1_tools", "x2_fsdp_k0_routed", "fcell:"]  # fmt: skip
 
 

@@ -116,6 +116,12 @@ class Component:
         this component provides one (vLLM), else None (the generator samples with its own copy)."""
         return None
 
+    def adapter_eval_sampler(self):
+        """A sampler of the routing eval's modes as LoRA adapters on the run's vLLM engine
+        (``trl_ext.vllm.eval_sampler.AdapterEvalSampler``) when this component provides one, else None (the eval
+        samples with transformers)."""
+        return None
+
     # ------------------------------------------------------------------ 2. rewards
     def skips_rewards(self) -> bool:
         """Whether no reward function is called (pure distillation)."""

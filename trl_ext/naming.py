@@ -48,6 +48,7 @@ NOT_DEFINING = {
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
     "vllm_request_timeout", "vllm_server_restart_timeout", "teacher_server_url",
     "vllm_weight_transfer", "vllm_weight_transfer_address",  # how the same weights reach the servers
+    "vllm_lora_sync",  # how the same policy reaches vLLM: merged or as its adapters
 }  # fmt: skip
 NOT_IN_NAME = {"fsdp", "fsdp_config"}  # named by the launch tag (_fsdp2); a resume still compares them
 NOT_DEFINING_PREFIXES = ("logging_", "log_", "save_", "hub_", "push_to_hub", "dataloader_", "eval_", "wandb_")

@@ -82,6 +82,13 @@ def connect_policy_servers(trainer) -> PolicyServers:
     infos = check_replicas(replicas, trainer.processing_class, trainer.max_completion_length + 1, "policy server",
                            base.config)  # a longer prompt is the server's 400: a ServerError  # fmt: skip
     pushed = args.vllm_weight_transfer != "files"
+    rank = args.vllm_adapter_rank
+    for replica, info in zip(replicas, infos, strict=True):
+        if rank is not None and (info.get("max_lora_rank") or 0) < rank:
+            raise ConfigError(f"{replica} serves LoRA adapters up to rank {info.get('max_lora_rank')}, and this run "
+                              f"sends its versions as adapters of rank {rank} ({args.vllm_lora_why}): start the "
+                              f"servers with --enable-lora --max-lora-rank {rank} (layout.py does), or pass "
+                              "--vllm_lora_sync merged")  # fmt: skip
     roots = {i["weights_dir"] for i in infos}
     fallback = args.max_async_level >= 1 and args.strict_async_level  # strict k >= 1: a checkpoint when a
     # generator still owes batches of an older policy (in flight every version is pushed)
@@ -105,31 +112,41 @@ def _pusher(trainer, servers: PolicyServers, policy):
 
 
 def _how(args) -> str:
-    return "files" if args.vllm_weight_transfer == "files" else f"push over {args.vllm_weight_transfer}"
+    if args.vllm_weight_transfer != "files":
+        return f"push over {args.vllm_weight_transfer}"
+    return "files" if args.vllm_adapter_rank is None else "LoRA adapter files"
+
+
+def publisher(trainer, max_async_level: int, policy, root: str | None = None):
+    """The checkpoint publisher of ``policy``'s versions (``trl_ext.vllm.publish``): adapters with the engines'
+    LoRA rank where ``--vllm_lora_sync`` resolved to adapters (``args.vllm_adapter_rank``), else merged; its bytes
+    and seconds logged with TRL's metrics."""
+    from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
+
+    return CheckpointPublisher(trainer.accelerator, max_async_level, model_bytes(base_of(policy)), root=root,
+                               adapter_rank=trainer.args.vllm_adapter_rank,
+                               metrics=lambda: compat.trl_metrics(trainer, "train"))  # fmt: skip
 
 
 def server_transport(trainer, servers: PolicyServers) -> Transport:
     """k = 0 on the servers: process 0 pushes each version into every replica (nccl, gloo), or each version is a
     checkpoint the servers reload (files)."""
     from trl_ext.serve.engine import ServerEngine
-    from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
     from trl_ext.vllm.sampler import VLLMSampler
 
     policy = trainer.accelerator.unwrap_model(trainer.model)
     pusher = _pusher(trainer, servers, policy)
-    publisher = None
+    writer = None
     if pusher is None:
-        root = servers.infos[0]["weights_dir"]
-        publisher = CheckpointPublisher(trainer.accelerator, 0, model_bytes(base_of(policy)), root=root)
+        writer = publisher(trainer, 0, policy, root=servers.infos[0]["weights_dir"])
     sampler = VLLMSampler(ServerEngine(servers.replicas, trainer.accelerator.process_index), None)
-    return Transport(_how(trainer.args), sampler, publisher, pusher)
+    return Transport(_how(trainer.args), sampler, writer, pusher)
 
 
 def generator_transport(trainer, policy, servers: PolicyServers | None) -> Transport:
     """k >= 1 with ``--use_vllm``: a `VLLMSampler` over the policy's servers (``servers``) or over this process's
     `VLLMEngine`, the checkpoint publisher (``trl_ext.vllm.publish``) and, with ``--vllm_weight_transfer
     nccl|gloo``, the servers' pusher (``trl_ext.serve.transfer``)."""
-    from trl_ext.vllm.publish import CheckpointPublisher, model_bytes
     from trl_ext.vllm.sampler import VLLMSampler
 
     args, acc = trainer.args, trainer.accelerator
@@ -139,12 +156,12 @@ def generator_transport(trainer, policy, servers: PolicyServers | None) -> Trans
         from trl_ext.serve.engine import ServerEngine
 
         root = servers.infos[0]["weights_dir"]  # None: in flight with pushes (never written)
-        publisher = CheckpointPublisher(acc, args.max_async_level, model_bytes(base), root=root)
+        writer = publisher(trainer, args.max_async_level, policy, root=root)
         pusher = _pusher(trainer, servers, policy)
         return Transport(_how(args), VLLMSampler(ServerEngine(servers.replicas, acc.process_index), inflight),
-                         publisher, pusher)  # fmt: skip
+                         writer, pusher)  # fmt: skip
     from trl_ext.vllm.dtype import engine_dtype, policy_dtype
-    from trl_ext.vllm.engine import VLLMEngine
+    from trl_ext.vllm.engine import VLLMEngine, lora_settings
     from trl_ext.vllm.placement import engine_placement
 
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -154,8 +171,8 @@ def generator_transport(trainer, policy, servers: PolicyServers | None) -> Trans
         base.name_or_path, dtype=engine_dtype(args, base), max_model_len=max_len,
         seed=args.seed + acc.process_index, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         trust_remote_code=args.trust_remote_code, enforce_eager=args.vllm_enforce_eager, placement=place.llm_kwargs,
+        lora=lora_settings(args.vllm_adapter_rank, args.max_async_level),
     )  # fmt: skip
     print(f"vLLM engine of process {acc.process_index}: {engine_dtype(args, base)} (the policy "
           f"{policy_dtype(base)}), on {place.device}, max_model_len {max_len}", flush=True)  # fmt: skip
-    publisher = CheckpointPublisher(acc, args.max_async_level, model_bytes(base))
-    return Transport("files", VLLMSampler(engine, inflight), publisher, None)
+    return Transport(_how(args), VLLMSampler(engine, inflight), publisher(trainer, args.max_async_level, policy), None)

@@ -159,8 +159,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "docs/vllm.md: k = 0, TRL's colocate engine: weight sync every optimizer step, the merged weights reloaded "
       "(trl_ext/vllm/component.py sync_colocate)",
       "trl_ext.vllm.component", "sync_colocate", noop_sync,
-      ("tests/test_vllm.py::test_sync_takes_effect_at_k0", "tests/test_vllm.py::test_two_processes",
-       "tests/test_vllm.py::test_fsdp2_k0_routed_distilled")),
+      ("tests/test_vllm.py::test_sync_takes_effect_at_k0", "tests/test_vllm.py::test_two_processes")),
     M("vllm_load_k1",
       "docs/vllm.md: k >= 1, the generator's engine: every published policy reloaded (VLLMEngine.load)",
       "trl_ext.vllm.engine", "VLLMEngine.load", noop_engine_load,

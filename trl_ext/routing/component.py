@@ -54,6 +54,7 @@ from trl_ext.routing.evaluation import (
     eval_generation_config,
     format_results,
     routing_eval,
+    vllm_routing_eval,
 )
 from trl_ext.routing.plots import plot_modes
 from trl_ext.routing.step import rh_eligible_mask, routing_labels, single_pass_backward, two_pass_backward
@@ -353,9 +354,14 @@ class Routing(Component):
                 a.eval_routing_prompts), a.eval_routing_prompts, "env/success")
         hackable = None if a.hack_frac == 1.0 else [prompt_hackable(p, a.hack_frac, a.seed)
                                                     for p in self.eval_prompts]
-        results = routing_eval(t.model, t.processing_class, self.eval_prompts, eval_generation_config(t),
-                               self.eval_rewards, self.detector, seed=a.seed,
-                               batch_size=a.per_device_train_batch_size, hackable=hackable)
+        sampler = t.components.first("adapter_eval_sampler")
+        if sampler is not None:  # the modes as LoRA adapters on the run's vLLM engine
+            results = vllm_routing_eval(t.model, sampler, self.eval_prompts, self.eval_rewards, self.detector,
+                                        a.seed, step, hackable)  # fmt: skip
+        else:
+            results = routing_eval(t.model, t.processing_class, self.eval_prompts, eval_generation_config(t),
+                                   self.eval_rewards, self.detector, seed=a.seed,
+                                   batch_size=a.per_device_train_batch_size, hackable=hackable)
         return self._log_eval(step, results, len(self.eval_prompts), f"reward/{next(iter(self.eval_rewards))}")
 
     def _log_eval(self, step: int, results: dict, n_prompts: int, main_metric: str) -> dict:

@@ -82,6 +82,22 @@ def evaluate_modes(
     return results
 
 
+def vllm_routing_eval(
+    model: nn.Module, sampler, prompts: list[str], rewards: Mapping[str, TextReward], detector: TextDetector | None,
+    seed: int, step: int, hackable: list[bool] | None = None,
+) -> dict[str, dict[str, float]]:
+    """The three-mode eval sampled by the run's vLLM engine (``sampler``:
+    ``trl_ext.vllm.eval_sampler.AdapterEvalSampler``), each mode's adapters served as a LoRA adapter of their own,
+    with ``vllm_logp_gap``: the mean |vLLM log-prob - the trainer's| of the mode's tokens (the served mode is the
+    trainer's). The model's scales are restored afterwards, also when anything raises."""
+    results = {}
+    for mode, (retain, forget) in ABLATION_SCALES.items():
+        with scales(model, retain, forget):
+            texts, gap = sampler(model, prompts, seed, f"eval-s{step:08d}-{mode}", step)
+        results[mode] = {**score_completions(texts, rewards, detector, hackable), "vllm_logp_gap": gap}
+    return results
+
+
 def eval_generation_config(trainer):
     """The sampling settings the routing eval generates with: the trainer's own ``generation_config``, which TRL
     builds when transformers generates; when vLLM generates (``--use_vllm``) TRL builds none, and this builds the one

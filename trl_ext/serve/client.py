@@ -19,6 +19,7 @@ fails; layout.py restarts the trainer from its last checkpoint).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from trl_ext.registry import ConfigError
-from trl_ext.serve.endpoint import DIR_HEADER, INFO_PATH, SHAPE_KEYS, VERSION_HEADER
+from trl_ext.serve.endpoint import DIR_HEADER, INFO_PATH, SHAPE_KEYS, VERSION_HEADER, adapter_name
 
 RETRY_PAUSE_S = 1.0
 """Seconds between a failed request and its one retry."""
@@ -187,8 +188,12 @@ class Replica:
                directory: str | None = None) -> tuple[list[int], list[float]]:  # fmt: skip
         """(token ids, their sampling log-probs) of one continuation of ``prompt``, stopping at a token of
         ``stop_token_ids`` (kept) or after ``max_tokens``; with ``version``, sampled by exactly that policy (its
-        checkpoint ``directory``, or None where versions are pushed), which the server confirms."""
-        body = {"model": self.model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": temperature,
+        checkpoint ``directory``, or None where versions are pushed), which the server confirms. An adapter
+        directory (``trl_ext.vllm.lora``) is asked for by its served name (``trl_ext.serve.endpoint.adapter_name``)."""
+        model = self.model
+        if directory is not None and os.path.isfile(os.path.join(directory, "adapter_config.json")):
+            model = adapter_name(directory)
+        body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": temperature,
                 "seed": seed, "logprobs": 0, "return_token_ids": True, "ignore_eos": True,
                 "stop_token_ids": list(stop_token_ids), "skip_special_tokens": False}  # fmt: skip
         headers = {} if version is None else {VERSION_HEADER: str(version)}

@@ -13,6 +13,12 @@ a versioned request must not stream (its answer is sent once its generation has 
 The response repeats ``X-Policy-Version``: the version that served it, which the trainer checks against the one it
 stamps on the tokens.
 
+A version published as a LoRA adapter (``--vllm_lora_sync``: ``X-Policy-Dir`` an adapter directory,
+``trl_ext.vllm.lora``; the server started with ``--enable-lora``) is served on its base checkpoint (the ``base``
+directory beside it), which the gate loads once like a version (`BASE_VERSION`); the adapter is registered with
+vLLM's own ``load_lora_adapter`` under `adapter_name` (the name the request's ``model`` gives) at its first request,
+and requests of several adapter versions run together. ``adapter_loads`` counts the adapters taken.
+
 With ``--weight-transfer-config`` the server also takes pushed versions (``trl_ext.serve.transfer``) on
 ``POST /v1/trl_ext/weights/{init,start,update,finish}``: vLLM's weight-transfer calls, the gate held from ``start``
 (once no request runs) to ``finish``; a completion request without ``X-Policy-Dir`` waits for its version's push.
@@ -41,9 +47,18 @@ PUSH_PATH = "/v1/trl_ext/weights/"
 """The push routes (``init``, ``start``, ``update``, ``finish``): vLLM's weight-transfer control plane, gated."""
 WEIGHTS_ENV = "TRL_EXT_WEIGHTS_DIR"
 GATED_PATHS = ("/v1/completions",)
+BASE_VERSION = -1
+"""The gate's version while the base weights of adapter versions are loaded (every adapter version runs on it)."""
+ADAPTERS_KEPT = 16
+"""Adapters a server keeps registered: older ones are unregistered (vLLM's engine evicts its own cache)."""
 SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "intermediate_size")  # fmt: skip
 """The model config fields a policy server reports (``/v1/trl_ext/info``): the trainer's model must have the same."""
+
+
+def adapter_name(directory: str) -> str:
+    """The name an adapter version is served under (the request's ``model``): from its resolved directory."""
+    return "trl_ext-" + hashlib.sha256(os.path.realpath(directory).encode()).hexdigest()[:16]
 
 
 def inside(directory: str, root: str) -> bool:
@@ -85,6 +100,9 @@ class VersionGate:
         self.push_start = 0.0
         self.pushes = 0  # pushed versions served (`end_push` with every tensor arrived)
         self.checkpoint_loads = 0  # checkpoints loaded (`enter` with a ``load``)
+        self.adapter_loads = 0  # adapter versions registered (`take_adapter`)
+        self.adapters: list[str] = []  # their names, oldest first
+        self.adapter_lock = asyncio.Lock()
         self.load_seconds = 0.0
         self.cond = asyncio.Condition()
 
@@ -128,6 +146,29 @@ class VersionGate:
                         break
                 await self.cond.wait()
             self.active += 1
+
+    async def take_adapter(self, models, name: str, directory: str) -> str | None:
+        """Register the adapter in ``directory`` as ``name`` with vLLM's ``models`` (``OpenAIServingModels``), once;
+        unregister the oldest beyond `ADAPTERS_KEPT`. Returns vLLM's error, or None."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+        async with self.adapter_lock:
+            if name in self.adapters:
+                return None
+            start = time.perf_counter()
+            out = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=directory))
+            if isinstance(out, ErrorResponse):
+                return out.error.message
+            self.adapters.append(name)
+            self.adapter_loads += 1
+            seconds = time.perf_counter() - start
+            self.load_seconds += seconds
+            print(f"trl_ext: adapter {directory} taken in {seconds:.3f} s (adapter loads {self.adapter_loads}, "
+                  f"checkpoint loads {self.checkpoint_loads})", flush=True)  # fmt: skip
+            while len(self.adapters) > ADAPTERS_KEPT:
+                await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=self.adapters.pop(0)))
+        return None
 
     async def begin_push(self, version: int) -> None:
         """A push of ``version`` takes the weights: once no request runs and no load is pending; new requests wait
@@ -194,6 +235,8 @@ async def policy_versions(request, call_next):
                              "world_size": engine.vllm_config.parallel_config.world_size_across_dp,
                              "version": gate.version, "pushing": gate.pushing, "loads": gate.loads,
                              "pushes": gate.pushes, "checkpoint_loads": gate.checkpoint_loads,
+                             "adapter_loads": gate.adapter_loads,
+                             "max_lora_rank": getattr(engine.vllm_config.lora_config, "max_lora_rank", None),
                              "load_seconds": round(gate.load_seconds, 4)})  # fmt: skip
     if pushed:
         return await _push(request, engine, gate, path.removeprefix(PUSH_PATH))
@@ -204,6 +247,24 @@ async def policy_versions(request, call_next):
     directory = request.headers.get(DIR_HEADER)
     if directory is None:  # a pushed version (trl_ext.serve.transfer): the request waits for its push
         return await _answer(request, call_next, gate, version, None)
+    base = os.path.join(os.path.dirname(os.path.normpath(directory)), "base")  # trl_ext.vllm.lora.BASE
+    adapter = os.path.isfile(os.path.join(directory, "adapter_config.json"))  # trl_ext.vllm.lora.CONFIG
+    if adapter and not (root and inside(directory, root) and inside(base, root) and os.path.isdir(base)):
+        return JSONResponse({"error": f"{DIR_HEADER} {directory!r} is not an adapter beside its base under "
+                                      f"{WEIGHTS_ENV}"}, status_code=403)  # fmt: skip
+    if adapter:
+        if engine.vllm_config.lora_config is None:
+            return JSONResponse({"error": "this server serves no LoRA adapters: start it with --enable-lora"},
+                                status_code=409)  # fmt: skip
+        error = await gate.take_adapter(request.app.state.openai_serving_models, adapter_name(directory), directory)
+        if error is not None:
+            return JSONResponse({"error": f"adapter {directory}: {error}"}, status_code=400)
+
+        async def load_base():
+            await engine.collective_rpc("reload_weights", kwargs={"weights_path": base, "is_checkpoint_format": True})
+            await engine.reset_prefix_cache()
+
+        return await _answer(request, call_next, gate, version, load_base, base, key=BASE_VERSION)
     if not gate.serves(version, directory):
         if not root:
             return JSONResponse({"error": f"this server loads no weights: it was started without {WEIGHTS_ENV}"},
@@ -220,9 +281,10 @@ async def policy_versions(request, call_next):
     return await _answer(request, call_next, gate, version, load, directory)
 
 
-async def _answer(request, call_next, gate: VersionGate, version: int, load, source: str | None = None):
-    """vLLM's answer to ``request``, run while ``version`` is loaded (``load``: how to load it from the checkpoint
-    ``source``; None: pushed)."""
+async def _answer(request, call_next, gate: VersionGate, version: int, load, source: str | None = None,
+                  key: int | None = None):  # fmt: skip
+    """vLLM's answer to ``request`` of ``version``, run while the gate's ``key`` (default ``version``; `BASE_VERSION`
+    for an adapter version) is loaded (``load``: how to load it from the checkpoint ``source``; None: pushed)."""
     from starlette.responses import JSONResponse
 
     try:
@@ -232,7 +294,7 @@ async def _answer(request, call_next, gate: VersionGate, version: int, load, sou
     if streamed:
         return JSONResponse({"error": f"{VERSION_HEADER} needs a non-streamed request (the version must stay loaded "
                                       "until its last token)"}, status_code=400)  # fmt: skip
-    await gate.enter(version, load, source)
+    await gate.enter(version if key is None else key, load, source)
     try:  # a non-streamed answer starts once its generation has ended (vLLM's handler returns the whole response)
         response = await call_next(request)
     finally:

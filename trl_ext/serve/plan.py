@@ -208,10 +208,13 @@ def gpu_shares(servers: list[ServerSpec], given: float) -> list[float]:
     return shares
 
 
-def server_command(spec: ServerSpec, args: LayoutArgs, cuda: bool, seed: int, transfer: str = "files") -> list[str]:
+def server_command(spec: ServerSpec, args: LayoutArgs, cuda: bool, seed: int, transfer: str = "files",
+                   lora: dict | None = None) -> list[str]:  # fmt: skip
     """vLLM's server for ``spec`` with the version gate and the log-probs the trainer needs; a policy server takes
-    pushed weights with ``transfer`` nccl or gloo (train.py's ``--vllm_weight_transfer``). A spec built by hand (the
-    Slurm recipe of docs/layout.md, the tests) gets its ``max_model_len`` from the model's config here."""
+    pushed weights with ``transfer`` nccl or gloo (train.py's ``--vllm_weight_transfer``), and LoRA adapters with
+    ``lora`` (``trl_ext.vllm.engine.lora_settings``: train.py's ``--vllm_lora_sync`` resolved to adapters). A spec
+    built by hand (the Slurm recipe of docs/layout.md, the tests) gets its ``max_model_len`` from the model's config
+    here."""
     if not spec.max_model_len:
         spec.config = spec.config or model_config(spec.model)
         spec.max_model_len = model_len(args, spec.config)
@@ -231,6 +234,9 @@ def server_command(spec: ServerSpec, args: LayoutArgs, cuda: bool, seed: int, tr
         cmd.append("--enforce-eager")
     if spec.role == "policy" and transfer != "files":
         cmd += ["--weight-transfer-config", json.dumps({"backend": transfer})]
+    if spec.role == "policy" and lora:
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora["max_lora_rank"]), "--max-loras", str(lora["max_loras"]),
+                "--max-cpu-loras", str(lora["max_cpu_loras"])]  # fmt: skip
     if not cuda:  # each row's request is seeded: no chunked prefill on CPU (trl_ext.vllm.engine.cpu_scheduler)
         from trl_ext.vllm.placement import cpu_scheduler
 
@@ -334,9 +340,13 @@ def plan_layout(args: LayoutArgs, train_argv: list[str], cuda: bool, environ=os.
         weights_dir, why = default_weights_dir(servers[0].config, cfg.max_async_level + 2)
     else:
         weights_dir, why = os.path.abspath(args.weights_dir), "--weights_dir"
+    from trl_ext.vllm.args import lora_sync_plan
+    from trl_ext.vllm.engine import lora_settings
+
+    lora = lora_settings(lora_sync_plan(cfg, cfg.lora_rank)[0], cfg.max_async_level)
     for s, url in zip(servers, urls, strict=True):
         s.url = url
-        s.command = server_command(s, args, cuda, cfg.seed, cfg.vllm_weight_transfer)
+        s.command = server_command(s, args, cuda, cfg.seed, cfg.vllm_weight_transfer, lora)
         s.env = server_env(s, cuda, weights_dir, dict(environ))
     if "--vllm_server_timeout" not in train_argv:  # train.py waits for every server: each start wave's timeout
         flags += ["--vllm_server_timeout", f"{args.server_timeout * len(start_waves(servers, cuda)):g}"]

@@ -65,6 +65,21 @@ class VLLMArgs:
                   "choices": ["auto", "float32", "bfloat16", "float16"]},
     )  # fmt: skip
 
+    vllm_lora_sync: str = field(
+        default="auto",
+        metadata={"help": "With --use_vllm and LoRA (--lora_rank, dual LoRA): how each policy version reaches the "
+                  "vLLM engines and servers. 'adapter': the engines start with LoRA enabled, the base weights are "
+                  "sent once, and each version is the adapters alone (a few MB; dual LoRA as one adapter of rank "
+                  "retain + forget, every routing eval mode included: docs/vllm.md); refused with the reason where "
+                  "they cannot be one. 'merged': the adapters merged into the whole model, sent every version. "
+                  "'auto': 'adapter' where the run's adapters can be one, else 'merged', the reason in train.log's "
+                  "header.", "choices": ["auto", "adapter", "merged"]},
+    )  # fmt: skip
+    # Decided on the built model by trl_ext.vllm.component (`lora_sync_plan` checks the flags at parse time): the
+    # engines' LoRA rank when versions go as adapters, else None, and why (train.log's header).
+    vllm_adapter_rank: int | None = field(default=None, init=False, repr=False)
+    vllm_lora_why: str = field(default="", init=False, repr=False)
+
     def validate_vllm(self) -> None:
         """Raise ConfigError for vLLM settings that cannot run or would be ignored (called by ExtGRPOConfig)."""
         default = {f.name: f.default for f in fields(VLLMArgs)}["vllm_inflight_tokens"]
@@ -79,6 +94,8 @@ class VLLMArgs:
         if self.vllm_dtype != "auto" and not (self.use_vllm and self.vllm_mode != "server"):
             raise ConfigError("--vllm_dtype is the dtype of the engines a --use_vllm run starts in process: a server's "
                               "dtype is its own (layout.py --server_dtype)")
+        if self.vllm_lora_sync != "auto" and not self.use_vllm:
+            raise ConfigError(f"--vllm_lora_sync {self.vllm_lora_sync} is how versions reach vLLM: it needs --use_vllm")
         if not self.use_vllm:
             return
         if self.vllm_mode == "server":
@@ -120,6 +137,60 @@ class VLLMArgs:
                            if name in _ASYNC_SAMPLING else "the off-policy generator's engine does not read it")
                     raise ConfigError(f"--{name} {getattr(self, name)!r} is not supported with --use_vllm and "
                                       f"--max_async_level >= 1: {why} (keep TRL's default {defaults[name]!r})")
+
+
+def lora_sync_plan(args, lora_rank: int) -> tuple[int | None, str]:
+    """(the vLLM engines' LoRA rank, why) of ``--vllm_lora_sync`` for train.py's flags (``args``: the config, or
+    layout.py's argparse namespace; ``lora_rank``: ``--lora_rank``); rank None: versions go merged. ConfigError where
+    'adapter' cannot be kept. From the flags alone, at parse time (layout.py starts the servers with it); the run
+    decides again on the built model (`lora_sync_of_model`), which must agree."""
+    from trl_ext.routing.step import resolve_adapter_ranks
+
+    choice = args.vllm_lora_sync
+    dual = (args.lora_config, args.retain_rank, args.forget_rank) != (None, None, None)
+    if not args.use_vllm:
+        return None, ""
+    if choice == "merged":
+        return None, "--vllm_lora_sync merged: each version is the whole model with its adapters merged"
+    reason, rank = None, 0
+    if dual and args.adapter_type == "mlp":
+        reason = "MLP adapters (--adapter_type mlp) are not LoRA"
+    elif dual and args.lora_lm_head:
+        reason = "--lora_lm_head: vLLM 0.30's LoRA takes no adapter on the output head"
+    elif dual:
+        rank = sum(resolve_adapter_ranks(args.lora_config, args.retain_rank, args.forget_rank,
+                                         routing=args.gradient_routing))  # fmt: skip
+    elif lora_rank:
+        rank = lora_rank
+    else:
+        reason = "a full fine-tune changes every weight"
+    return _sync_choice(choice, rank, reason, args.vllm_weight_transfer)
+
+
+def lora_sync_of_model(args, model) -> tuple[int | None, str]:
+    """`lora_sync_plan` decided on the built policy of a vLLM run (``trl_ext.vllm.lora``: what its adapters are,
+    their rank), which also covers a Python API run's own PEFT config."""
+    from trl_ext.vllm.lora import adapter_rank, unservable
+
+    if args.vllm_lora_sync == "merged":
+        return None, "--vllm_lora_sync merged: each version is the whole model with its adapters merged"
+    return _sync_choice(args.vllm_lora_sync, adapter_rank(model), unservable(model), args.vllm_weight_transfer)
+
+
+def _sync_choice(choice: str, rank: int, reason: str | None, transfer: str) -> tuple[int | None, str]:
+    from trl_ext.vllm.lora import ENGINE_RANKS, engine_rank
+
+    if reason is None and transfer != "files":
+        reason = f"--vllm_weight_transfer {transfer} pushes whole tensors; adapters go as files"
+    if reason is None and engine_rank(rank) is None:
+        reason = f"rank {rank} is above vLLM's largest LoRA rank {ENGINE_RANKS[-1]}"
+    if reason is None:
+        return engine_rank(rank), (f"LoRA adapters: the base weights sent once, each version an adapter of rank "
+                                   f"{rank} (the engines' max_lora_rank {engine_rank(rank)})")  # fmt: skip
+    if choice == "adapter":
+        raise ConfigError(f"--vllm_lora_sync adapter: this run's policy cannot be served as a LoRA adapter: {reason}; "
+                          "use --vllm_lora_sync merged (or auto)")
+    return None, f"merged weights: each version is the whole model ({reason})"
 
 
 def tied_head(config) -> bool:

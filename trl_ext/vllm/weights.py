@@ -80,11 +80,13 @@ def _merged(module: nn.Module) -> Tensor:
 
 
 @torch.no_grad()
-def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+def merged_weights(model: nn.Module, adapters: bool = True) -> Iterator[tuple[str, Tensor]]:
     """(base model's state-dict name, whole tensor) with every adapter merged, one module at a time (module
-    docstring); ValueError where an adapter cannot be merged. A tensor may be the policy's own (unsharded, not
-    wrapped): read it, never write it. A collective under FSDP2: every process must iterate to the end."""
-    reason = unmergeable(model)
+    docstring); ValueError where an adapter cannot be merged. ``adapters`` False: the base weights alone, every
+    adapter left out (the base an engine serving the adapters as LoRA holds: ``trl_ext.vllm.lora``). A tensor may be
+    the policy's own (unsharded, not wrapped): read it, never write it. A collective under FSDP2: every process must
+    iterate to the end."""
+    reason = unmergeable(model) if adapters else None
     if reason is not None:
         raise ValueError(reason)
     skip: tuple[str, ...] = ()
@@ -94,7 +96,7 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         name = plain_name(f"{raw}.") if raw else ""  # "model.layers.0." ...
         if hasattr(module, "base_layer"):  # an adapter-wrapped linear: its merged weight, its base bias
             skip = (f"{raw}.",)
-            yield f"{name}weight", _merged(module)
+            yield f"{name}weight", _merged(module) if adapters else whole(module.base_layer.weight)
             if module.base_layer.bias is not None:
                 yield f"{name}bias", whole(module.base_layer.bias)
             continue
