@@ -310,6 +310,22 @@ def test_a_replacements_fingerprint_is_its_expression_and_what_it_names(tmp_path
         FINGERPRINT.replacement_source("row_c", switches, tmp_path / "replacements.py")
 
 
+def test_a_definition_moved_between_replacement_files_keeps_its_fingerprint(tmp_path):
+    """The replacements are split by feature (``replacements_*.py``): where a definition lives is not part of a
+    row's fingerprint, its text is (and a helper it names in another file is followed there)."""
+    switches = _write(tmp_path / "switches.py", 'M("row_a", "claim", "mod", "target", make("doc"), ("g",))\n')
+    helper, make = "def _helper(x):\n    return x\n", "def make(doc):\n    return _helper\n"
+    _write(tmp_path / "replacements.py", f"{helper}\n\n{make}")
+    (one,) = [FINGERPRINT.replacement_source("row_a", switches, FINGERPRINT.replacement_files(tmp_path))]
+    (tmp_path / "replacements.py").write_text(helper)
+    _write(tmp_path / "replacements_feature.py", f"import os\n\n\n{make}")
+    files = FINGERPRINT.replacement_files(tmp_path)
+    assert [f.name for f in files] == ["replacements.py", "replacements_feature.py"]
+    assert FINGERPRINT.replacement_source("row_a", switches, files) == one and "def _helper" in one
+    (tmp_path / "replacements_feature.py").write_text(f"import os\n\n\n{make.replace('_helper', '_helper  # x')}")
+    assert FINGERPRINT.replacement_source("row_a", switches, files) != one
+
+
 def test_end_to_end_is_the_slow_or_vllm_tier(tmp_path):
     _write(tmp_path / "tests" / "test_a.py", "import pytest\n\npytestmark = pytest.mark.slow\n\n\n"
                                              "def test_x():\n    pass\n")

@@ -10,8 +10,9 @@ nodes named, read by `ast` from the files, no module executed):
   both); an imported name is followed to its definition (``transformers.trainer:skip_first_batches`` is accelerate's
   ``def``), its header ``module:name`` hashed with it.
 - **replacement**: the row's replacement expression in switches.py (``copy_nothing``, ``importance_without("...",
-  token_clip_high=1e10)``) plus, in replacements.py, the module-level definitions it names and, transitively, those
-  they name (`closure`).
+  token_clip_high=1e10)``) plus, in the replacement files (`replacement_files`: replacements.py and one
+  replacements_*.py per feature), the module-level definitions it names and, transitively, those they name
+  (`closure`).
 - **guards**: per guard node id (``file::func[params]`` or ``file::Class::func``; the parameters are ignored), the
   test function (its decorators included) plus, transitively, the module-level functions, classes and assignments
   of the same test file it names, a fixture of that file named as an argument included. A weakened ``_assert_...``
@@ -178,9 +179,16 @@ def target_source(module: str, target: str, _depth: int = 0) -> str:
 
 
 # ------------------------------------------------------------------------------------------ replacement
-def replacement_source(row_name: str, switches: Path, replacements: Path) -> str:
+def replacement_files(sabotage: Path = HERE) -> list[Path]:
+    """The replacement files: ``replacements.py`` (the shared helpers), then ``replacements_*.py`` (one per feature)
+    in name order. Where a definition lives does not enter a fingerprint: moving one between them keeps its rows."""
+    return [sabotage / "replacements.py", *sorted(sabotage.glob("replacements_*.py"))]
+
+
+def replacement_source(row_name: str, switches: Path, replacements: Path | list[Path]) -> str:
     """The row's replacement expression in ``switches`` (the 5th argument of the ``M("<row_name>", ...)`` call) and
-    the closure of the names it uses, looked up in ``replacements`` first, then in ``switches``."""
+    the closure of the names it uses, looked up in ``replacements`` (a file, or the files of `replacement_files`,
+    the first binding a name winning) first, then in ``switches``."""
     tree, lines = _parse(switches)
     call = next((n for n in ast.walk(tree) if isinstance(n, ast.Call) and len(n.args) >= 6
                  and isinstance(n.args[0], ast.Constant) and n.args[0].value == row_name), None)  # fmt: skip
@@ -188,13 +196,20 @@ def replacement_source(row_name: str, switches: Path, replacements: Path) -> str
         raise LookupError(f"{row_name}: no M({row_name!r}, ...) call in {switches.name}")
     expr = call.args[4]
     text = ast.get_source_segment("".join(lines), expr)
-    rtree, rlines = _parse(replacements)
-    rscope = bindings(rtree.body)
+    files = [replacements] if isinstance(replacements, Path) else list(replacements)
+    rscope: dict[str, list[ast.stmt]] = {}
+    where: dict[int, tuple[int, list[str]]] = {}  # a node's file (its index) and that file's lines
+    for index, path in enumerate(files):
+        rtree, rlines = _parse(path)
+        for name, stmts in bindings(rtree.body).items():
+            rscope.setdefault(name, stmts)
+        where.update({id(n): (index, rlines) for n in ast.walk(rtree)})
     sscope = {k: v for k, v in bindings(tree.body).items() if k not in rscope}
     chunks = [f"# {switches.name}: {text}\n"]
     roots = [s for name in sorted(_references(expr)) for s in rscope.get(name, [])
              if not isinstance(s, (ast.Import, ast.ImportFrom))]  # fmt: skip
-    chunks += [_source(rlines, n) for n in closure(roots, [rscope])]
+    nodes = sorted(closure(roots, [rscope]), key=lambda n: where[id(n)][0])  # stable: source order within a file
+    chunks += [_source(where[id(n)][1], n) for n in nodes]
     local = [s for name in sorted(_references(expr)) for s in sscope.get(name, [])
              if isinstance(s, _DEFS)]  # a replacement defined in switches.py itself  # fmt: skip
     chunks += [_source(lines, n) for n in closure(local, [sscope])]
@@ -247,6 +262,6 @@ def fingerprint(row, root: Path = ROOT) -> dict:
     sabotage = root / "tests" / "sabotage"
     return {
         "target": sha256(target_source(row.module, row.target)),
-        "replacement": sha256(replacement_source(row.name, sabotage / "switches.py", sabotage / "replacements.py")),
+        "replacement": sha256(replacement_source(row.name, sabotage / "switches.py", replacement_files(sabotage))),
         "guards": {g: sha256(guard_source(g, root)) for g in row.guards},
     }

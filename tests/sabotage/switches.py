@@ -12,8 +12,9 @@ exists, so a rename cannot make a row vacuous, and that no row's record is stale
 
 A switch removes exactly its mechanism and nothing else: a mask made all-True, a rename made a plain write, a
 restore made a no-op, the code around it running as before (no crash, no hang: a guard must notice wrong numbers).
-The replacements live in ``tests/sabotage/replacements.py``; they import what they need when called: both files are
-imported at interpreter start-up.
+The replacements live in ``tests/sabotage/replacements.py`` (shared helpers, the losses, off-policy generation,
+routing, environments) and one ``replacements_*.py`` per other feature; they import what they need when called:
+these files are imported at interpreter start-up.
 """
 
 from __future__ import annotations
@@ -48,18 +49,26 @@ class Mechanism:
 
 
 def _load_replacements():
-    """``tests/sabotage/replacements.py`` by path (``tests/`` need not be importable; this file is loaded by path)."""
+    """The replacement files (``tests/sabotage/replacements.py``, then ``replacements_*.py``, one per feature) by path
+    (``tests/`` need not be importable; this file is loaded by path), as one namespace: the first file defining a
+    name wins, as in ``fingerprint.replacement_files``."""
     import importlib.util
     import sys
     from pathlib import Path
+    from types import SimpleNamespace
 
-    name = "_trl_ext_sabotage_replacements"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("replacements.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    here = Path(__file__).resolve().parent
+    merged: dict[str, Any] = {}
+    for path in [here / "replacements.py", *sorted(here.glob("replacements_*.py"))]:
+        name = f"_trl_ext_sabotage_{path.stem}"
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        for key, value in vars(sys.modules[name]).items():
+            merged.setdefault(key, value)
+    return SimpleNamespace(**merged)
 
 
 _R = _load_replacements()
@@ -68,6 +77,8 @@ does_nothing = _R.does_nothing
 load_without_copy = _R.load_without_copy
 copy_nothing = _R.copy_nothing
 always_snapshot = _R.always_snapshot
+start_adapter_every_version = _R.start_adapter_every_version
+blocks_unscaled = _R.blocks_unscaled
 always_write = _R.always_write
 gather_whole_model_first = _R.gather_whole_model_first
 refresh_once = _R.refresh_once
@@ -160,6 +171,18 @@ MECHANISMS: tuple[Mechanism, ...] = (
       "(trl_ext/vllm/component.py sync_colocate)",
       "trl_ext.vllm.component", "sync_colocate", noop_sync,
       ("tests/test_vllm.py::test_sync_takes_effect_at_k0", "tests/test_vllm.py::test_two_processes")),
+    M("vllm_adapter_publish",
+      "docs/vllm.md (LoRA served as LoRA): each version's adapters are published as a LoRA adapter the engines and "
+      "servers take (trl_ext/vllm/lora.py)",
+      "trl_ext.vllm.lora", "adapter_tensors", start_adapter_every_version,
+      ("tests/test_vllm.py::test_adapter_sync_at_k0", "tests/test_vllm.py::test_fsdp2_k0_routed_distilled",
+       "tests/test_serve_vllm.py::test_one_process_on_its_own_server_k0_then_k1_pushed")),
+    M("vllm_adapter_mode_scales",
+      "docs/vllm.md (LoRA served as LoRA): dual LoRA is one adapter whose blocks carry their sides' scales; the "
+      "routing eval's retain_only / forget_only are that adapter with a block at 0",
+      "trl_ext.vllm.lora", "_dual_blocks", blocks_unscaled,
+      ("tests/test_vllm_lora.py::test_dual_lora_exported_in_every_routing_mode",
+       "tests/test_vllm.py::test_fsdp2_k0_routed_distilled")),
     M("vllm_load_k1",
       "docs/vllm.md: k >= 1, the generator's engine: every published policy reloaded (VLLMEngine.load)",
       "trl_ext.vllm.engine", "VLLMEngine.load", noop_engine_load,
