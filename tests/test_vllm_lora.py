@@ -127,7 +127,8 @@ def test_what_cannot_be_an_adapter():
 
 def flags(**kw):
     base = dict(use_vllm=True, vllm_lora_sync="auto", lora_config=None, retain_rank=None, forget_rank=None,
-                adapter_type="lora", lora_lm_head=False, gradient_routing=False, vllm_weight_transfer="files")
+                adapter_type="lora", lora_lm_head=False, gradient_routing=False, vllm_weight_transfer="files",
+                vllm_enable_sleep_mode=False)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -141,6 +142,7 @@ def test_lora_sync_plan_from_the_flags():
     rank, why = lora_sync_plan(flags(vllm_weight_transfer="gloo"), 8)
     assert rank is None and "pushes whole tensors" in why
     assert lora_sync_plan(flags(vllm_lora_sync="merged"), 8)[0] is None
+    assert "sleep" in lora_sync_plan(flags(vllm_enable_sleep_mode=True), 8)[1]
     assert "MLP" in lora_sync_plan(flags(retain_rank=4, forget_rank=4, adapter_type="mlp"), 0)[1]
     assert "above vLLM's largest" in lora_sync_plan(flags(), 600)[1]
     assert lora_sync_plan(flags(use_vllm=False), 8) == (None, "")

@@ -151,7 +151,7 @@ def lora_sync_plan(args, lora_rank: int) -> tuple[int | None, str]:
     if not args.use_vllm:
         return None, ""
     if choice == "merged":
-        return None, "--vllm_lora_sync merged: each version is the whole model with its adapters merged"
+        return None, "merged weights: each version is the whole model (--vllm_lora_sync merged)"
     reason, rank = None, 0
     if dual and args.adapter_type == "mlp":
         reason = "MLP adapters (--adapter_type mlp) are not LoRA"
@@ -164,7 +164,7 @@ def lora_sync_plan(args, lora_rank: int) -> tuple[int | None, str]:
         rank = lora_rank
     else:
         reason = "a full fine-tune changes every weight"
-    return _sync_choice(choice, rank, reason, args.vllm_weight_transfer)
+    return _sync_choice(choice, rank, reason, args)
 
 
 def lora_sync_of_model(args, model) -> tuple[int | None, str]:
@@ -173,15 +173,17 @@ def lora_sync_of_model(args, model) -> tuple[int | None, str]:
     from trl_ext.vllm.lora import adapter_rank, unservable
 
     if args.vllm_lora_sync == "merged":
-        return None, "--vllm_lora_sync merged: each version is the whole model with its adapters merged"
-    return _sync_choice(args.vllm_lora_sync, adapter_rank(model), unservable(model), args.vllm_weight_transfer)
+        return None, "merged weights: each version is the whole model (--vllm_lora_sync merged)"
+    return _sync_choice(args.vllm_lora_sync, adapter_rank(model), unservable(model), args)
 
 
-def _sync_choice(choice: str, rank: int, reason: str | None, transfer: str) -> tuple[int | None, str]:
+def _sync_choice(choice: str, rank: int, reason: str | None, args) -> tuple[int | None, str]:
     from trl_ext.vllm.lora import ENGINE_RANKS, engine_rank
 
-    if reason is None and transfer != "files":
-        reason = f"--vllm_weight_transfer {transfer} pushes whole tensors; adapters go as files"
+    if reason is None and args.vllm_weight_transfer != "files":
+        reason = f"--vllm_weight_transfer {args.vllm_weight_transfer} pushes whole tensors; adapters go as files"
+    if reason is None and args.vllm_enable_sleep_mode:
+        reason = "--vllm_enable_sleep_mode discards the engine's weights, its LoRA slots included, at every sleep"
     if reason is None and engine_rank(rank) is None:
         reason = f"rank {rank} is above vLLM's largest LoRA rank {ENGINE_RANKS[-1]}"
     if reason is None:

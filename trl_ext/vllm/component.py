@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import nullcontext
 
 import torch
@@ -31,19 +32,28 @@ from trl_ext.vllm.weights import base_of, merged_weights, unmergeable
 
 
 @torch.no_grad()
-def sync_colocate(generation, model) -> None:
+def sync_colocate(generation, model) -> int:
     """Load ``model``'s merged weights into TRL's colocate engine (``generation``: TRL's VLLMGeneration), streamed one
     module at a time from the (FSDP2-sharded) model (``trl_ext.vllm.weights.merged_weights``; every process runs it:
-    each has its engine). Sleep mode's weights are woken first, as TRL's ``sync_weights`` does."""
+    each has its engine); returns the bytes loaded. Sleep mode's weights are woken first, as TRL's ``sync_weights``
+    does."""
     compat.wake_colocate_weights(generation)  # sleep mode: load_weights into released memory would crash (trl 5142)
     runner = compat.colocate_model_runner(generation)
-    weights = merged_weights(model)
+    sent = [0]
+
+    def counted():
+        for name, tensor in merged_weights(model):
+            sent[0] += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    weights = counted()
     if torch.cuda.is_available():
         for name, tensor in weights:
             runner.model.load_weights([(name, tensor)])  # in place, one tensor at a time, as TRL's own sync
     else:  # CPU vLLM prepacks its linear weights: a reload (layer by layer) repacks them
         runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
     generation.llm.reset_prefix_cache()
+    return sent[0]
 
 
 class AdapterLLM:
@@ -136,7 +146,11 @@ class VLLMGeneration(Component):
             generation = t.vllm_generation
             if t.args.vllm_adapter_rank is None:
                 def sync() -> None:  # the policy as prepared for training, read at every sync
-                    sync_colocate(generation, t.accelerator.unwrap_model(t.model))
+                    start = time.perf_counter()
+                    nbytes = sync_colocate(generation, t.accelerator.unwrap_model(t.model))
+                    metrics = compat.trl_metrics(t, "train")
+                    metrics["vllm/publish_bytes"].append(float(nbytes or 0))
+                    metrics["vllm/publish_seconds"].append(time.perf_counter() - start)
             else:
                 self.adapters = AdapterLoads()
                 generation.llm = AdapterLLM(generation.llm, self.adapters)
@@ -161,10 +175,14 @@ class VLLMGeneration(Component):
         from trl_ext.vllm.engine import VLLMEngine
         from trl_ext.vllm.eval_sampler import AdapterEvalSampler
 
-        if self.servers_on:
-            engine = self.transport.sampler.engine
+        if self.servers_on:  # an engine of its own: the eval's loads leave the generation's version alone
+            from trl_ext.serve.engine import ServerEngine
+
+            engine = ServerEngine(self.transport.sampler.engine.replicas, t.accelerator.process_index)
         else:
-            engine = VLLMEngine.over(t.vllm_generation.llm._llm, self.adapters)
+            loads = AdapterLoads()
+            loads.base = self.adapters.base  # loaded by the generation's syncs (the same publisher's base)
+            engine = VLLMEngine.over(t.vllm_generation.llm._llm, loads)
         return AdapterEvalSampler(engine, self.transport.publisher, transport.sampling_params(t),
                                   compat.trl_tokenizer(t))  # fmt: skip
 

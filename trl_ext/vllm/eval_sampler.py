@@ -29,13 +29,15 @@ class AdapterEvalSampler:
 
     def __init__(self, engine, publisher, params: SamplingParams, tokenizer) -> None:
         self.engine, self.publisher, self.params, self.tokenizer = engine, publisher, params, tokenizer
+        self.calls = 0  # each call's adapter gets a directory (and a served name) of its own
 
     def __call__(self, model: nn.Module, prompts: list[str], seed: int, tag: str,
                  version: int) -> tuple[list[str], float]:  # fmt: skip
         """(completion texts cut at the first EOS, mean |vLLM log-prob - trainer log-prob| over their tokens) of
         ``prompts`` (no special tokens added), each row's request seeded from ``seed``; ``model``'s adapters at their
         current scales, published as adapter ``tag`` (a collective under FSDP2)."""
-        directory = self.publisher.publish_adapter(tag, model)
+        self.calls += 1
+        directory = self.publisher.publish_adapter(f"{tag}-{self.calls}", model)
         sampler = VLLMSampler(self.engine, None)
         sampler.stage(version, directory)
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
