@@ -238,3 +238,21 @@ def test_an_adapter_is_asked_for_by_its_served_name(tmp_path, monkeypatch):
                        directory=str(tmp_path / d))  # fmt: skip
     assert sent[0][0] == adapter_name(str(tmp_path / "v1")) and sent[1][0] == "base-model"
     assert sent[0][1]["X-Policy-Dir"] == str(tmp_path / "v1")
+
+
+def test_layout_starts_the_policy_servers_for_the_runs_adapters():
+    """layout.py reads train.py's flags: a dual LoRA r8 run at k = 1 gets policy servers with LoRA up to rank 16 and
+    k + 2 adapters per batch; a full fine-tune gets none (its versions go merged)."""
+    from trl_ext.serve.plan import LayoutArgs, plan_layout
+
+    args = LayoutArgs(inference_gpu_ids="0", trainer_gpu_ids="1")
+    dual = plan_layout(args, ["--reward", "sentence_length_5_with_happy", "--model", "builtin", "--lora_config", "r8",
+                              "--gradient_routing", "--routing_mode", "shared", "--max_async_level", "1"], False)
+    command = dual.servers[0].command
+    i = command.index("--enable-lora")
+    assert command[i:i + 7] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "3", "--max-cpu-loras", "6"]
+    full = plan_layout(args, ["--reward", "happy_binary", "--model", "builtin"], False)
+    assert "--enable-lora" not in full.servers[0].command
+    merged = plan_layout(args, ["--reward", "happy_binary", "--model", "builtin", "--lora_rank", "8",
+                                "--vllm_lora_sync", "merged"], False)  # fmt: skip
+    assert "--enable-lora" not in merged.servers[0].command
