@@ -222,6 +222,25 @@ def test_hub_id_resolves_from_the_local_cache_offline(tmp_path, monkeypatch):
         model_shape("org/absent")
 
 
+def test_dry_run_sizes_dual_adapters(tmp_path):
+    """Gradient routing's dual adapters are the trainable parameters (the base frozen, no reference copy): dual LoRA
+    8 + 8 as a LoRA of rank 16 on the same linears, dual MLP adapters as 3 x hidden x neurons per block."""
+    Qwen2Config(**QWEN7B).save_pretrained(tmp_path)
+    model = str(tmp_path)
+    server = SimpleNamespace(role="policy", index=0, model=model, devices=[0], gpu_share=0.9, max_model_len=8192,
+                             config=Qwen2Config.from_pretrained(model),
+                             command=["python", "-m", "vllm.entrypoints.openai.api_server", "--dtype", "bfloat16"])
+    routed = ["--model", model, "--gradient_routing", "--routing_mode", "shared", "--beta", "0.04",
+              "--per_device_train_batch_size", "1", "--activation_checkpointing"]
+    layout = SimpleNamespace(servers=[server], flags=[*routed, "--lora_config", "r8"], trainer_devices=[1])
+    text = dry_run(layout, SimpleNamespace(plan_gpus="2x80"))
+    assert f"parameters (dual LoRA 8 + 8: {LORA16:,} trainable, fp32), unsharded" in text
+    assert "reference model" not in text  # the adapters disabled are the reference
+    layout.flags = [*routed, "--adapter_type", "mlp", "--mlp_config", "m16"]
+    mlp = QWEN7B["num_hidden_layers"] * 3 * QWEN7B["hidden_size"] * 32
+    assert f"parameters (dual MLP adapters 16 + 16: {mlp:,} trainable" in dry_run(layout, SimpleNamespace(plan_gpus="2x80"))
+
+
 def test_dry_run_reads_the_layout_and_train_flags(tmp_path):
     """layout.py --dry_run's adapter: the servers as the layout starts them, the trainer from train.py's flags."""
     Qwen2Config(**QWEN7B).save_pretrained(tmp_path)  # config.json only

@@ -35,7 +35,7 @@ def dry_run(layout, args) -> str:
         cfg.lora_rank, [t.strip() for t in targets.split(",")] if targets else None, cfg.per_device_train_batch_size,
         policy.max_model_len, cfg.max_completion_length, bool(cfg.activation_checkpointing), cfg.beta > 0, None,
         shape.dtype if loaded == "auto" else loaded,
-        "bfloat16" if cfg.bf16 else "float16" if cfg.fp16 else None)  # fmt: skip
+        "bfloat16" if cfg.bf16 else "float16" if cfg.fp16 else None, _dual(cfg))  # fmt: skip
     plan = plan_fit(servers, trainer, inventory)
     where = f"--plan_gpus {args.plan_gpus}" if args.plan_gpus else "this machine's CUDA devices"
     text = f"layout.py --dry_run: {len(inventory)} GPUs ({where}); nothing started, no weights read\n{plan.describe()}"
@@ -45,6 +45,21 @@ def dry_run(layout, args) -> str:
         problems = [p + hint * ("a trainer process" in p) for p in plan.problems]
         raise ConfigError("the layout does not fit its devices: " + "; ".join(problems) + "\n" + text)
     return text
+
+
+def _dual(cfg) -> tuple[str, int, int] | None:
+    """train.py's dual adapters (``trl_ext.routing``: LoRA or MLP, retain and forget ranks), or None."""
+    if (cfg.lora_config, cfg.mlp_config, cfg.retain_rank, cfg.forget_rank) == (None, None, None, None):
+        return None
+    from trl_ext.routing.mlp import MLP_PRESETS
+    from trl_ext.routing.step import resolve_adapter_ranks
+
+    if cfg.adapter_type == "mlp":
+        ranks = resolve_adapter_ranks(cfg.mlp_config, cfg.retain_rank, cfg.forget_rank,
+                                      routing=cfg.gradient_routing, presets=MLP_PRESETS, flag="--mlp_config")
+    else:
+        ranks = resolve_adapter_ranks(cfg.lora_config, cfg.retain_rank, cfg.forget_rank, routing=cfg.gradient_routing)
+    return cfg.adapter_type, *ranks
 
 
 def _flag(command: Sequence[str], name: str) -> str:

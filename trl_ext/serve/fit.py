@@ -219,6 +219,7 @@ class TrainerPart:
     teacher_shape: ModelShape | None = None
     weights_dtype: str = "float32"
     compute_dtype: str | None = None
+    dual: tuple[str, int, int] | None = None  # dual adapters ("lora" | "mlp", retain rank, forget rank): routing
 
 
 def trainer_items(t: TrainerPart) -> list[tuple[str, int, bool]]:
@@ -249,8 +250,15 @@ def trainer_items(t: TrainerPart) -> list[tuple[str, int, bool]]:
     cb = dtype_bytes(t.compute_dtype or t.weights_dtype)
     div = n if t.sharding == "FSDP2" else 1
     trainable = lora_params(s, t.lora_rank, t.lora_targets) if t.lora_rank else s.params
-    frozen = s.params if t.lora_rank else 0  # the LoRA base; the adapters are the trainable ones
     what = f"LoRA rank {t.lora_rank}" if t.lora_rank else "full fine-tune"
+    if t.dual is not None:  # every block adapted (an upper bound under --lora_layer_*); the head's adapters left out
+        kind, retain, forget = t.dual
+        if kind == "lora":  # retain and forget on the same linears: rank retain + forget
+            trainable, what = lora_params(s, retain + forget, t.lora_targets), f"dual LoRA {retain} + {forget}"
+        else:  # a mini-SwiGLU of n neurons beside each block's MLP: gate and up (hidden -> n), down (n -> hidden)
+            trainable, what = s.layers * 3 * s.hidden * (retain + forget), f"dual MLP adapters {retain} + {forget}"
+    adapted = bool(t.lora_rank or t.dual)
+    frozen = s.params if adapted else 0  # the base; the adapters are the trainable ones
     shard = f"/ {n} (FSDP2)" if div > 1 else "unsharded"
     items = [(f"parameters ({what}: {trainable:,} trainable, fp32), {shard}", (frozen * wb + trainable * 4) // div,
               False),
@@ -260,7 +268,7 @@ def trainer_items(t: TrainerPart) -> list[tuple[str, int, bool]]:
     if div > 1:
         items.append((f"FSDP2 all-gather: root unit + 2 blocks, {t.compute_dtype or t.weights_dtype} (estimate)",
                       (s.outside_params + 2 * s.largest_layer_params) * cb, True))
-    if t.reference_copy and not t.lora_rank:
+    if t.reference_copy and not adapted:
         items.append((f"reference model, {t.weights_dtype}, {shard}", s.params * wb // div, False))
     if t.teacher_shape is not None:
         items.append((f"in-process teacher, {t.weights_dtype}, unsharded", t.teacher_shape.params * wb, False))
