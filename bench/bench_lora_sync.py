@@ -9,7 +9,8 @@ also the server's own time per version taken (``/v1/trl_ext/info``: delta ``load
 ``checkpoint_loads + adapter_loads`` over the run; its log's per-load lines give the adapters alone apart from the
 base's reload). ``--placement inprocess``: TRL's colocate engine, one per run (the merged arm's in-place reload
 logs its bytes and seconds since commit eeac100; the in-process results of bench/results predate it and hold none).
-The model is bench/train_memory.py's random 154.9M-parameter Llama (``llama``) or a random Qwen2ForCausalLM of Qwen2.5-0.5B's shape with the builtin model's small vocabulary and an
+The model is bench/train_memory.py's random 154.9M-parameter Llama (``llama``) or a random Qwen2ForCausalLM of
+Qwen2.5-0.5B's shape with the builtin model's small vocabulary and an
 untied head (``qwen05``). Prints min / median / max, the ratio adapter / merged per round, the load average and the
 CPU model, and writes them to ``--out`` (JSON).
 
