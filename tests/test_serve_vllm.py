@@ -195,9 +195,10 @@ def test_one_process_on_its_own_server_k0_then_k1_pushed(tmp_path):
        takes 5 adapters (counts, from its ``/v1/trl_ext/info``); every step's sampling gap (TRL's logged difference
        between the server's log-probs and the trainer's) stays at float error while the policy moves. With the start
        adapter at every version (sabotage row ``vllm_adapter_publish``) the gap opens from step 2.
-    2. In-flight k = 1 (chunks of 4 tokens), LoRA at lr 3e-3 for 4 steps as adapters: the base once more (the run's
-       own), an adapter per version, and the tokens sampled by the trainer's own policy (lag 0, token records) carry
-       its log-probs.
+    2. In-flight k = 1 (chunks of 4 tokens), gradient routing's dual LoRA r4 at lr 3e-3 for 4 steps, as one adapter
+       of rank 8: the base once more (the run's own), an adapter per version, and the tokens sampled by the trainer's
+       own policy (lag 0, token records) carry its log-probs; the routing eval at step 4 samples its 3 modes on the
+       server, each an adapter of its own, and each mode's tokens carry the trainer's log-probs under that mode.
     3. In-flight k = 1 (chunks of 4 tokens), ``--vllm_weight_transfer gloo``, a full fine-tune at a constant lr 3e-4
        for 6 steps: every version pushed (the server counts 6 pushes and no checkpoint load after the 5 of run 1;
        with every version sent as a checkpoint, sabotage row ``push_every_version_in_flight``, it counts 6 loads),
@@ -225,12 +226,18 @@ def test_one_process_on_its_own_server_k0_then_k1_pushed(tmp_path):
         info = replica.info()
         assert (info["pushes"], info["checkpoint_loads"], info["adapter_loads"]) == (0, 1, 5), info  # base once
         text, run = _train(tmp_path / "k1a", *servers, "--max_async_level", "1", "--vllm_inflight_tokens", "4",
-                           "--reward", "sentence_length_10_smooth", "--lora_rank", "8", "--lr", "3e-3",
-                           "--max_steps", "4", "--save_steps", "4", "--save_rollouts", "--token_records_every", "1")
+                           "--reward", "sentence_length_5_with_happy", "--gradient_routing", "--routing_mode", "shared",
+                           "--lora_config", "r4", "--eval_routing_steps", "4", "--eval_routing_prompts", "8",
+                           "--lr", "3e-3", "--max_steps", "4", "--save_steps", "4", "--save_rollouts",
+                           "--token_records_every", "1")  # fmt: skip
         before = replica.info()
         assert (before["checkpoint_loads"] - info["checkpoint_loads"], before["pushes"]) == (1, 0), before
-        assert before["adapter_loads"] - info["adapter_loads"] >= 4, before  # policies 0-3 (4 too if it sampled)
+        assert before["adapter_loads"] - info["adapter_loads"] >= 4 + 3, before  # policies 0-3, the eval's 3 modes
         _assert_lag0_tokens(run)
+        assert "each version an adapter of rank 8" in text and "the routing eval's modes as LoRA adapters" in text
+        (record,) = [json.loads(line) for line in (run / "routing_eval.jsonl").read_text().splitlines()]
+        eval_gaps = {mode: m["vllm_logp_gap"] for mode, m in record["modes"].items()}
+        assert len(eval_gaps) == 3 and max(eval_gaps.values()) < LAG0_BOUND, eval_gaps
         text, run = _train(tmp_path / "k1", *servers, "--vllm_weight_transfer", "gloo", "--max_async_level", "1",
                            "--vllm_inflight_tokens", "4", "--reward", "sentence_length_10_smooth", "--lr", "3e-4",
                            "--lr_scheduler_type", "constant", "--max_steps", "6", "--save_steps", "6",

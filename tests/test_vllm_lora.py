@@ -165,9 +165,15 @@ def test_lora_sync_decided_on_the_built_model():
     assert lora_sync_of_model(flags(), dual)[0] == 16
 
 
-def test_train_refuses_adapter_sync_it_cannot_keep(train_cli_error):
-    assert "full fine-tune" in train_cli_error("--reward", "happy_binary", "--use_vllm", "--vllm_lora_sync",
-                                               "adapter")  # fmt: skip
+def test_train_refuses_adapter_sync_it_cannot_keep(train_cli_error, monkeypatch):
+    """Exit 2 at parse time, before any model loads (and without vLLM installed: a server's client needs none)."""
+    import trl_ext.vllm.args
+
+    monkeypatch.setattr(trl_ext.vllm.args, "vllm_installed", lambda: False)  # the fast tier's install
+    server = ["--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", "http://127.0.0.1:1"]
+    assert "full fine-tune" in train_cli_error("--reward", "happy_binary", *server, "--vllm_lora_sync", "adapter")
+    assert "pushes whole tensors" in train_cli_error("--reward", "happy_binary", *server, "--lora_rank", "8",
+                                                     "--vllm_weight_transfer", "gloo", "--vllm_lora_sync", "adapter")
     assert "needs --use_vllm" in train_cli_error("--reward", "happy_binary", "--lora_rank", "8", "--vllm_lora_sync",
                                                  "merged")  # fmt: skip
 

@@ -77,6 +77,9 @@ def build_plan(argv: list[str]) -> Plan:
     if unknown:
         raise ConfigError(f"unknown arguments: {' '.join(unknown)} (see train.py --help)")
     check_training_length(cfg)
+    from trl_ext.vllm.args import lora_sync_plan
+
+    lora_sync_plan(cfg, run.lora_rank)  # --vllm_lora_sync adapter on a policy vLLM cannot serve as LoRA: exit 2
     resolve_model_arg(run.model)
     assembly = resolve(run, cfg)  # the run's parts (trl_ext.assembly): prompt source, generation sources, features
     assembly.check_args(run, cfg)
@@ -90,9 +93,6 @@ def build_plan(argv: list[str]) -> Plan:
     plan = Plan(run=run, cfg=cfg, reward_config=reward_config, run_dir=None, argv=typed, train_data=train_data,
                 eval_data=eval_data, assembly=assembly, flags=given_flags(argv, p))  # fmt: skip
     assembly.check(plan)  # with the rewards, the data and --model's config (LoRA targets, architectures)
-    from trl_ext.vllm.args import lora_sync_plan
-
-    lora_sync_plan(cfg, run.lora_rank)  # --vllm_lora_sync adapter on a policy vLLM cannot serve as LoRA: exit 2
     try:  # the Python API's refusals, here before any model loads
         check_trainer_arguments(cfg, adapters=run.lora_rank > 0)
     except ValueError as e:

@@ -103,6 +103,7 @@ class VLLMGeneration(Component):
         self.transport: transport.Transport | None = None  # k = 0 on the servers, or k = 0 colocate with adapters
         self.adapters: AdapterLoads | None = None  # k = 0 colocate with adapters: the version TRL's engine samples
         self._lora_decided = False
+        self.generator: transport.Transport | None = None  # k >= 1: the generator's transport
         if self.offpolicy or self.servers_on:
             config = kwargs["args"] = copy.copy(config)
             config.use_vllm = False  # TRL starts no engine and no server client: `setup` / `generator_transport`
@@ -166,35 +167,35 @@ class VLLMGeneration(Component):
             print(self.describe(), flush=True)
 
     def adapter_eval_sampler(self):
-        """The routing eval's sampler on this run's vLLM engine (``trl_ext.vllm.eval_sampler``) at
-        ``--max_async_level 0`` with adapters (TRL's colocate engine, or the servers), when the eval's sampling is
-        temperature alone; else None (the eval samples with transformers: train.log's header says which)."""
+        """The routing eval's sampler on this run's vLLM engine (``trl_ext.vllm.eval_sampler``) with adapters: TRL's
+        colocate engine at ``--max_async_level 0``, or the servers at any k (the generation's publisher writes the
+        eval's adapters beside its versions), when the eval's sampling is temperature alone; else None (the eval
+        samples with transformers: train.log's header says which)."""
         t = self.trainer
         if self.eval_on_transformers() is not None:
             return None
         from trl_ext.vllm.engine import VLLMEngine
         from trl_ext.vllm.eval_sampler import AdapterEvalSampler
 
+        source = self.generator if self.offpolicy else self.transport
         if self.servers_on:  # an engine of its own: the eval's loads leave the generation's version alone
             from trl_ext.serve.engine import ServerEngine
 
-            engine = ServerEngine(self.transport.sampler.engine.replicas, t.accelerator.process_index)
+            engine = ServerEngine(source.sampler.engine.replicas, t.accelerator.process_index)
         else:
             loads = AdapterLoads()
             loads.base = self.adapters.base  # loaded by the generation's syncs (the same publisher's base)
             engine = VLLMEngine.over(t.vllm_generation.llm._llm, loads)
-        return AdapterEvalSampler(engine, self.transport.publisher, transport.sampling_params(t),
+        return AdapterEvalSampler(engine, source.publisher, transport.sampling_params(t),
                                   compat.trl_tokenizer(t))  # fmt: skip
 
     def eval_on_transformers(self) -> str | None:
         """Why the routing eval samples with transformers, not this run's vLLM engine; None: on the engine."""
         t, args = self.trainer, self.trainer.args
-        if args.vllm_adapter_rank is None:
+        if args.vllm_adapter_rank is None:  # (adapters travel as files: a pushed run's versions are merged)
             return "versions go merged (--vllm_lora_sync)"
-        if self.offpolicy:
-            return "at --max_async_level >= 1 the engine is the generator's, sampling in its own thread"
-        if self.transport is None or self.transport.publisher is None:
-            return "the versions are pushed"
+        if self.offpolicy and not self.servers_on:
+            return "at --max_async_level >= 1 the in-process engine is the generator's, sampling in its own thread"
         if args.vllm_enable_sleep_mode:
             return "--vllm_enable_sleep_mode: TRL's engine sleeps between its generations"
         params = transport.sampling_params(t)
@@ -243,7 +244,10 @@ class VLLMGeneration(Component):
         return out
 
     def generator_transport(self, policy) -> transport.Transport | None:
-        return transport.generator_transport(self.trainer, policy, self.servers) if self.offpolicy else None
+        if not self.offpolicy:
+            return None
+        self.generator = transport.generator_transport(self.trainer, policy, self.servers)  # the eval's too (servers)
+        return self.generator
 
     def close(self) -> None:  # k = 0 with servers: the published checkpoints go with the run
         if self.transport is not None:
