@@ -2,8 +2,9 @@
 
 - a policy server and a teacher server beside 2 FSDP2 trainer processes distilling at strict k = 1, the policy
   server killed mid-run and the run resumed, to a checkpoint eval_run.py loads;
-- a policy server started on its own, and one trainer process against it at k = 0 on a prompt dataset of the user's
-  own, then at in-flight k = 1 pushing every version (gloo);
+- a policy server started on its own (LoRA enabled), and one trainer process against it: k = 0 on a prompt dataset of
+  the user's own with LoRA served as an adapter, in-flight k = 1 with routed dual LoRA as one adapter and the routing
+  eval's modes on the server, then in-flight k = 1 pushing every version (gloo);
 - 2 FSDP2 processes pushing every version into a server at k = 0.
 
 Each server start costs tens of seconds."""

@@ -80,14 +80,13 @@ def _adapted(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 def adapter_rank(model: nn.Module) -> int:
     """The largest rank an adapted layer of ``model`` holds (its adapters' ranks summed); 0 without adapters."""
-    ranks = [sum(a.shape[0] for a, _, _ in _shapes(m)) for _, m in _adapted(model)]
-    return max(ranks, default=0)
+    return max((_rank(m) for _, m in _adapted(model)), default=0)
 
 
-def _shapes(module: nn.Module) -> list[tuple[Tensor, Tensor, float]]:
-    if hasattr(module, "lora_A"):
-        return [(module.lora_A[a].weight, None, 0.0) for a in module.active_adapters if a in module.lora_A]
-    return [(getattr(module, f"{side}_A"), None, 0.0) for side in ("retain", "forget") if module.ranks[side]]
+def _rank(module: nn.Module) -> int:
+    if hasattr(module, "lora_A"):  # PEFT: the active adapters' A rows (a DTensor's shape is the whole one)
+        return sum(module.lora_A[a].weight.shape[0] for a in module.active_adapters if a in module.lora_A)
+    return sum(module.ranks.values())  # dual LoRA: retain + forget
 
 
 def unservable(model: nn.Module) -> str | None:
