@@ -262,3 +262,26 @@ def test_layout_starts_the_policy_servers_for_the_runs_adapters():
     merged = plan_layout(args, ["--reward", "happy_binary", "--model", "builtin", "--lora_rank", "8",
                                 "--vllm_lora_sync", "merged"], False)  # fmt: skip
     assert "--enable-lora" not in merged.servers[0].command
+
+
+def test_an_engine_with_lora_serves_runs_without_it(monkeypatch):
+    """shared_llm: one engine per arguments in a process; an engine started with LoRA also serves a run without LoRA
+    and a run asking for a smaller LoRA, not one asking for more (a later engine is started for it)."""
+    from trl_ext.vllm import engine as engines
+    from trl_ext.vllm.engine import lora_settings, shared_llm
+
+    monkeypatch.setattr(engines, "_ENGINES", {})
+    built = []
+
+    def build(**kwargs):
+        built.append(kwargs)
+        return len(built)
+
+    first = shared_llm(build, model="m", **lora_settings(16, 0))
+    assert shared_llm(build, model="m") == first  # no LoRA: served by the LoRA engine
+    assert shared_llm(build, model="m", **lora_settings(8, 0)) == first  # a smaller rank
+    assert shared_llm(build, model="other") != first  # other arguments: another engine
+    bigger = shared_llm(build, model="m", **lora_settings(32, 1))
+    assert bigger != first and len(built) == 3
+    plain = shared_llm(build, model="p")
+    assert shared_llm(build, model="p", **lora_settings(8, 0)) != plain  # an engine without LoRA serves no adapter

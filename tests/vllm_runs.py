@@ -69,13 +69,16 @@ RUNS: dict[str, list[str]] = {
 """Each run's train.py flags (after `SMALL`), in the order they run; the matrix cells (``cell:ADAPTER-K-TASK-DISTILL``,
 tests/test_vllm_matrix.py) run between ``inflight`` and ``resume_continue``, its FSDP2 cells (``fcell:...``, two
 processes with ``--fsdp``) last."""
-ORDER = ["resume_full", "sync_k0", "adapter_k0", "k1_strict", "inflight", "tools_k0", "tools_k1", "cell:", "resume_continue",
-         "x2_k0_story", "x2_k1_frozenlake", "x2_k1_tools", "x2_fsdp_k0_routed", "fcell:"]  # fmt: skip
+ORDER = ["resume_full", "adapter_k0", "sync_k0", "k1_strict", "inflight", "tools_k0", "tools_k1", "cell:",
+         "resume_continue", "x2_fsdp_k0_routed", "x2_k0_story", "x2_k1_frozenlake", "x2_k1_tools", "fcell:"]  # fmt: skip
+"""A run with LoRA comes before the runs without it that can share its engine (an engine started with LoRA serves
+both: trl_ext.vllm.engine.shared_llm), so the process starts one engine for them, not two: the tier's memory."""
 
 
 def ordered(names) -> list[str]:
-    """``names`` in the order they must run (`ORDER`; cells keep theirs)."""
-    return sorted(names, key=lambda n: ORDER.index(n.split(":")[0] + ":" if ":" in n else n))
+    """``names`` in the order they must run (`ORDER`; cells keep theirs, those with adapters first)."""
+    return sorted(names, key=lambda n: (ORDER.index(n.split(":")[0] + ":" if ":" in n else n),
+                                        n.startswith(("cell:full", "fcell:full"))))  # fmt: skip
 
 
 def argv_of(name: str, out: Path, processes: int) -> list[str]:

@@ -35,6 +35,33 @@ def cpu_settings(environ=os.environ) -> dict[str, str]:
 
 
 _ENGINES: dict[tuple, object] = {}
+LORA_KEYS = ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")
+"""``vllm.LLM``'s LoRA arguments (`lora_settings`): an engine with at least these serves a run asking for them, and
+any run asking for none (a merged or full fine-tune policy, sampled without a LoRA request)."""
+
+
+def _serves(have: dict, want: dict) -> bool:
+    if not want:
+        return True
+    return bool(have.get("enable_lora")) and all(have.get(k, 0) >= v for k, v in want.items() if k != "enable_lora")
+
+
+def shared_llm(build, **kwargs):
+    """``build(**kwargs)`` (``vllm.LLM``), once per process for the same arguments: a later trainer of the process
+    (the Python API, an in-process sweep) reuses the engine, whose memory vLLM does not free when another one starts.
+    Reuse is sound because every user loads the current policy before its first generation (an adapter user its
+    base too: ``AdapterLoads``). The LoRA arguments may differ: an engine serves a run whose LoRA needs it covers, and
+    every run without LoRA (`LORA_KEYS`)."""
+    key = tuple(sorted((k, v) for k, v in kwargs.items() if k not in LORA_KEYS))
+    lora = {k: kwargs[k] for k in LORA_KEYS if k in kwargs}
+    for (other, have), engine in _ENGINES.items():
+        if other == key and _serves(dict(have), lora):
+            return engine
+    engine = build(**kwargs)
+    _ENGINES[(key, tuple(sorted(lora.items())))] = engine
+    return engine
+
+
 _ADAPTER_IDS = itertools.count(1)
 """vLLM's adapter ids, one per adapter directory, unique in the process (engines are shared: `shared_llm`)."""
 
@@ -80,16 +107,6 @@ def reload(llm, directory: str) -> None:
     """The checkpoint in ``directory`` into every worker of ``llm``; its prefix cache reset."""
     llm.collective_rpc("reload_weights", kwargs={"weights_path": directory, "is_checkpoint_format": True})
     llm.reset_prefix_cache()
-
-
-def shared_llm(build, **kwargs):
-    """``build(**kwargs)`` (``vllm.LLM``), once per process for the same arguments: a later trainer of the process
-    (the Python API, an in-process sweep) reuses the engine, whose memory vLLM does not free when another one starts.
-    Reuse is sound because every user loads the current policy before its first generation."""
-    key = tuple(sorted(kwargs.items()))
-    if key not in _ENGINES:
-        _ENGINES[key] = build(**kwargs)
-    return _ENGINES[key]
 
 
 class VLLMEngine:
