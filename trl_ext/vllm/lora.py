@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from trl_ext.offpolicy.sharded import plain_name, whole
-from trl_ext.vllm.weights import base_of
+from trl_ext.vllm.weights import base_of, unmergeable
 
 ENGINE_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM takes (``vllm.config.lora.MaxLoRARanks``, vllm 0.30)."""
@@ -90,33 +90,21 @@ def _rank(module: nn.Module) -> int:
 
 
 def unservable(model: nn.Module) -> str | None:
-    """Why ``model``'s adapters cannot be one vLLM LoRA adapter (module docstring), or None: no adapter (a full
-    fine-tune), MLP adapters, DoRA, a LoRA bias, an embedding's or the output head's LoRA, PEFT's modules_to_save,
-    a Conv1D (fan_in_fan_out) layer."""
-    base = base_of(model)
-    head = base.get_output_embeddings()
+    """Why ``model``'s adapters cannot be one vLLM LoRA adapter (module docstring), or None: what cannot be merged
+    either (``trl_ext.vllm.weights.unmergeable``: MLP adapters, DoRA, a LoRA bias, an embedding's LoRA, PEFT's
+    modules_to_save), no adapter at all (a full fine-tune), the output head's LoRA, a Conv1D (fan_in_fan_out)
+    layer."""
+    reason = unmergeable(model)
+    if reason is not None:
+        return reason
+    head = base_of(model).get_output_embeddings()
     found = False
-    for name, module in base.named_modules():
-        if type(module).__name__ == "DualMLPAdapter":
-            return f"{name} is an MLP adapter (--adapter_type mlp): vLLM's LoRA adapts linear layers only"
-        if "modules_to_save" in name:
-            return f"{name}: PEFT modules_to_save train whole modules, not an adapter"
-        dual = type(module).__name__ == "DualLoRALinear"
-        if not (dual or hasattr(module, "lora_A")):
-            continue
+    for name, module in _adapted(model):
         found = True
         if module is head:
-            return f"{name} is the output head: vLLM 0.30's LoRA takes no adapter on it"
+            return f"{name.rstrip('.')} is the output head: vLLM 0.30's LoRA takes no adapter on it"
         if module.fan_in_fan_out:
-            return f"{name} is a Conv1D layer (fan_in_fan_out): vLLM's LoRA layers are linear"
-        if not dual:
-            adapters = module.active_adapters
-            for flag, what in (("use_dora", "a DoRA adapter (its magnitude vector is not a LoRA)"),
-                               ("lora_bias", "a LoRA bias (lora_bias=True)")):  # fmt: skip
-                if any(getattr(module, flag, {}).get(a, False) for a in adapters):
-                    return f"{name} is {what}: vLLM serves plain LoRA"
-            if any(a in getattr(module, "lora_embedding_A", {}) for a in adapters):
-                return f"{name} is a LoRA on an embedding: vLLM 0.30 serves LoRA on linear layers"
+            return f"{name.rstrip('.')} is a Conv1D layer (fan_in_fan_out): vLLM's LoRA layers are linear"
     return None if found else "the policy has no adapters (a full fine-tune)"
 
 
