@@ -125,7 +125,7 @@ class CheckpointPublisher:
         self.versions: dict[int, str] = {}
 
     def publish(self, version: int, model: nn.Module) -> None:
-        from trl_ext.vllm.lora import BASE, write_adapter
+        from trl_ext.vllm.lora import write_adapter
 
         directory = os.path.join(self.root, f"v{version:08d}")
         start, written = time.perf_counter(), []
@@ -133,8 +133,7 @@ class CheckpointPublisher:
             written.append(("merged", write_checkpoint(model, directory, self.writer, self.bucket_bytes)))
         else:
             if not self.base_sends:
-                base = os.path.join(self.root, BASE)
-                written.append(("base", write_checkpoint(model, base, self.writer, self.bucket_bytes, False)))
+                written.append(("base", self._write_base(model)))
             written.append(("adapter", write_adapter(model, directory, self.writer, self.adapter_rank)))
         self.accelerator.wait_for_everyone()  # the files are complete before any engine reads them
         seconds = time.perf_counter() - start
@@ -154,13 +153,12 @@ class CheckpointPublisher:
         """``model``'s adapters at their current scales as the adapter directory ``name`` beside the versions (the
         routing eval's modes: ``trl_ext.vllm.eval_sampler``), the base weights sent first if they were not; not a
         version (nothing deletes it but `close`). Every process must call it."""
-        from trl_ext.vllm.lora import BASE, write_adapter
+        from trl_ext.vllm.lora import write_adapter
 
         if self.adapter_rank is None:
             raise ValueError("this publisher sends merged versions, not adapters")
         if not self.base_sends:
-            base = os.path.join(self.root, BASE)
-            self.sent.append(("base", write_checkpoint(model, base, self.writer, self.bucket_bytes, False), 0.0))
+            self.sent.append(("base", self._write_base(model), 0.0))
         directory = os.path.join(self.root, name)
         if directory in self.extras:
             raise ValueError(f"adapter {name!r} was published already: an engine may hold it (give a new name)")
@@ -172,6 +170,12 @@ class CheckpointPublisher:
             if self.writer:
                 shutil.rmtree(old, ignore_errors=True)
         return directory
+
+    def _write_base(self, model: nn.Module) -> int:
+        """The base weights (the model without its adapters) in ``base/`` beside the versions; their bytes."""
+        from trl_ext.vllm.lora import BASE
+
+        return write_checkpoint(model, os.path.join(self.root, BASE), self.writer, self.bucket_bytes, adapters=False)
 
     @property
     def base_sends(self) -> int:
